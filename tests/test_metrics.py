@@ -1,0 +1,45 @@
+"""FLOPs and MFU: the one function, checked against torch's own FLOP counter."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+
+from zero_recipes import metrics
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_flops_per_token_matches_flop_counter(kv_heads):
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256)
+    config._attn_implementation = "eager"  # CPU sdpa kernels are not in FlopCounterMode's table
+    model = LlamaForCausalLM(config)
+    batch, seq = 2, 128
+    x = torch.randint(0, 512, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=x, labels=x).loss.backward()
+    measured = counter.get_total_flops() / (batch * seq)
+    predicted = metrics.model_flops_per_token(config, seq)
+    # FlopCounterMode counts matmuls (attention's bmm included), as model FLOPs do; norms, softmax and
+    # the loss are the small remainder.
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def test_non_gated_mlp_counts_two_matrices():
+    c = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
+    c.intermediate_size = 256
+    per_layer = 4 * 64 * 64 + 2 * 64 * 256
+    assert metrics.model_flops_per_token(c, 10) == 6 * (2 * per_layer + 64 * 100) + 12 * 2 * 64 * 10
+
+
+def test_peak_table_uses_dense_figures():
+    assert metrics.peak_flops_from_table("NVIDIA H200", "bf16") == 989e12
+    assert metrics.peak_flops_from_table("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert metrics.peak_flops_from_table("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert metrics.peak_flops_from_table("Some Unknown GPU", "bf16") is None
+
+
+def test_mfu_arithmetic_and_cpu_peak_is_measured():
+    assert metrics.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
+    peak = metrics.measure_cpu_matmul_peak("fp32", seconds=0.1)
+    assert 1e8 < peak < 1e13  # a real measured rate, not a table value

@@ -1,0 +1,273 @@
+"""Train a Hugging Face causal LM with DeepSpeed ZeRO. One run, top to bottom:
+config -> distributed -> tokenizer -> data -> model -> engine -> loop -> export.
+
+    # the embedded default (tiny Llama, offline tokenizer and corpus), CPU or GPU
+    deepspeed train.py --deepspeed ds_configs/zero3.json
+
+    # a recipe, with overrides; fragments merge left to right
+    deepspeed --num_gpus 8 train.py --recipe recipes/tiny-llama.yaml \
+        --deepspeed ds_configs/zero3.json ds_configs/offload_all.json ds_configs/bf16.json --learning_rate 1e-4
+
+    # torchrun works the same; so does srun (tools/slurm) and deepspeed --hostfile for many nodes
+    torchrun --nproc_per_node 2 train.py --deepspeed ds_configs/zero2.json
+
+    # check a config without training
+    python train.py --recipe recipes/tiny-llama.yaml --deepspeed ds_configs/zero3.json --dry_run
+
+`python train.py --help` lists every option; recipes use the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+# torch._dynamo and transformers' model code must be imported before any zero.Init (measured: importing
+# them inside it breaks); model.causal_lm_class() imports the model code itself.
+import torch
+import torch._dynamo  # noqa: F401
+
+from zero_recipes import checkpoint, data, distributed, ds_config, metrics, model as modeling
+from zero_recipes.engine import make_engine
+
+# DeepSpeed still calls the c10d collectives torch renamed; the warning is theirs, repeated every step.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
+from zero_recipes.config import ConfigError, help_text, parse_args, run_signature
+
+
+def main(argv: list[str]) -> int:
+    # ---- config: schema <- recipe <- flags; DeepSpeed JSON merged and checked before anything runs --
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    cfg, explicit = parse_args(argv)
+    rank, local_rank, world, local_world = distributed.rank_info()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    raw_ds = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
+    model_config = modeling.load_model_config(cfg)
+    ds, notes = ds_config.resolve(raw_ds, cfg, explicit, world, modeling.hidden_size(model_config),
+                                  total_steps=cfg.max_steps if cfg.max_steps > 0 else None)
+    if cfg.dry_run:
+        return dry_run(cfg, ds, notes, model_config, world, log)
+
+    # ---- distributed ----------------------------------------------------------------------------------
+    threads = distributed.set_threads(local_world)
+    distributed.init()
+    distributed.quiet_deepspeed()
+    output_dir = Path(cfg.output_dir)
+    resume = checkpoint.check_output_dir(output_dir, run_signature(cfg, raw_ds), cfg.overwrite_output_dir,
+                                         cfg.resume_from_checkpoint)
+    torch.distributed.barrier()  # every rank has read output_dir before rank 0 writes to it
+    if rank == 0:
+        if cfg.overwrite_output_dir and cfg.resume_from_checkpoint is None:
+            checkpoint.clear_previous_run(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+    for note in notes:
+        log(f"config: {note}")
+    log(f"distributed: {world} rank(s), backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
+
+    # ---- tokenizer and data: rank 0 builds the caches while the others wait, then everyone reads them ---
+    tokenizer = rank0_first(rank, lambda: data.load_tokenizer(cfg))
+    train_blocks, eval_blocks = rank0_first(rank, lambda: data.prepare_blocks(cfg, tokenizer, log))
+    order = data.BatchOrder(train_blocks, cfg.per_device_train_batch_size, rank, world, cfg.seed)
+    steps_per_epoch = order.per_rank // cfg.gradient_accumulation_steps
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+
+    # ---- every "auto" resolved now, before the model exists (zero.Init reads the config) -------------
+    if cfg.model_name_or_path is None and cfg.model_config is None:
+        model_config.vocab_size = len(tokenizer)  # the embedded model is sized to the embedded tokenizer
+    elif len(tokenizer) > model_config.get_text_config().vocab_size:
+        raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer")
+    ds, _ = ds_config.resolve(raw_ds, cfg, explicit, world, modeling.hidden_size(model_config), total_steps)
+    if rank == 0:
+        checkpoint.write_run_config(output_dir, run_signature(cfg, raw_ds), ds)
+    zero3 = ds_config.zero_stage(ds) == 3
+    dtype_name = "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+    # ---- model: under ZeRO-3 it is built inside zero.Init, straight into partitions -------------------
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds = HfDeepSpeedConfig(ds)  # noqa: F841 -- must stay alive while the model is built
+    modeling.causal_lm_class(model_config)
+    load_dtype = torch.bfloat16 if (dtype_name == "bf16" and cfg.model_name_or_path) else torch.float32
+    model = modeling.build_model(cfg, model_config, load_dtype, rank)
+    n_params = metrics.num_params(model)
+    flops_per_token = metrics.model_flops_per_token(model_config, cfg.block_size)
+    log(f"model: {model_config.model_type}, {n_params / 1e6:.2f}M parameters, ZeRO stage "
+        f"{ds_config.zero_stage(ds)}, {dtype_name}, attention {cfg.attn_implementation}")
+
+    # ---- engine ------------------------------------------------------------------------------------
+    engine = make_engine(cfg, model, ds, total_steps)
+    step = 0
+    where = checkpoint.resolve_resume(output_dir, resume)
+    if where is not None:
+        state = checkpoint.load(engine, where, rank)
+        step = int(state.get("step", engine.global_steps))
+        if "data" in state:
+            order.load_state_dict(state["data"])
+        log(f"resume: loaded {where[0] / where[1]} at step {step}")
+    elif resume is not None:
+        log(f"resume: no checkpoint in {output_dir}, starting from scratch")
+
+    # ---- loop --------------------------------------------------------------------------------------
+    peak, peak_source = metrics.device_peak_flops(dtype_name)
+    log(f"plan: {total_steps} steps x {ds['train_batch_size']} sequences x {cfg.block_size} tokens; "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
+    mlog = metrics.MetricsLog(output_dir / "metrics.jsonl", rank == 0)
+    device = engine.device
+    tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    bar = progress_bar(rank, total_steps, step)
+    loss_sum = torch.zeros((), device=device)
+    window_steps, window_start, data_wait = 0, time.perf_counter(), 0.0
+    first_loss = last_loss = None
+    start_step, run_start = step, time.perf_counter()
+    engine.train()
+    while step < total_steps:
+        for _ in range(cfg.gradient_accumulation_steps):
+            t = time.perf_counter()
+            batch = order.next_batch().to(device, non_blocking=True)
+            data_wait += time.perf_counter() - t
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach()
+        step += 1
+        window_steps += 1
+        bar.update(1)
+        if step % cfg.logging_steps == 0 or step == total_steps:
+            # the only host sync of the loop: one all-reduce and .item() per logging window
+            torch.distributed.all_reduce(loss_sum)
+            mean_loss = loss_sum.item() / (window_steps * cfg.gradient_accumulation_steps * world)
+            if not math.isfinite(mean_loss):
+                log(f"error: loss is {mean_loss} at step {step}; stopping without saving a checkpoint")
+                return 1
+            elapsed = time.perf_counter() - window_start
+            tps = tokens_per_step_rank * window_steps / elapsed
+            grad_norm = engine.get_global_grad_norm()
+            record = {"step": step, "epoch": round(order.epoch + order.index / order.per_rank, 4),
+                      "loss": mean_loss, "lr": engine.get_lr()[0],
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "tokens_per_sec": tps * world, "tokens_per_sec_per_device": tps,
+                      "mfu": metrics.mfu(tps, flops_per_token, peak), "data_wait_frac": data_wait / elapsed,
+                      **metrics.memory_stats()}
+            mlog.write(record)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps * world:.0f}")
+            first_loss = mean_loss if first_loss is None else first_loss
+            last_loss = mean_loss
+            loss_sum.zero_()
+            window_steps, window_start, data_wait = 0, time.perf_counter(), 0.0
+        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps:
+            ev = evaluate(engine, eval_blocks, cfg, rank, world, device)
+            if ev:
+                mlog.write({"step": step, **ev})
+                log(f"eval: step {step} loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+            engine.train()
+            window_start = time.perf_counter()  # eval time is not training throughput
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
+            path = checkpoint.save(engine, output_dir, step, {"step": step, "data": order.state_dict()}, rank,
+                                   cfg.save_total_limit)
+            window_start = time.perf_counter()
+            bar.write(f"checkpoint: {path}") if rank == 0 else None
+    bar.close()
+    if step > start_step:
+        log(f"train: {step - start_step} steps in {time.perf_counter() - run_start:.1f}s, "
+            f"loss {first_loss:.4f} -> {last_loss:.4f}")
+    else:
+        log(f"train: already at step {step} of {total_steps}; nothing left to train")
+
+    # ---- export: output_dir itself becomes a complete HF model directory ------------------------------
+    modeling.export_hf_model(engine, tokenizer, output_dir, zero3, rank)
+    log(f"export: AutoModelForCausalLM.from_pretrained('{output_dir}') loads the trained model")
+    if cfg.verify_export:
+        probe_src = eval_blocks if len(eval_blocks) else train_blocks
+        probe = torch.as_tensor(probe_src[:1, : min(64, cfg.block_size)], dtype=torch.long, device=device)
+        out_dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16 if dtype_name == "fp16" else torch.float32
+        diff = modeling.verify_export(engine, output_dir, probe, rank, out_dtype)
+        if rank == 0:
+            log(f"export check: max |logits(reloaded) - logits(engine)| = {diff:.3g}")
+            mlog.write({"step": step, "export_max_abs_logit_diff": diff})
+    mlog.close()
+    return 0
+
+
+def rank0_first(rank: int, fn):
+    """Run fn on rank 0 first (it fills the caches), then on the others, which read them. A ConfigError
+    on rank 0 is raised on every rank, so no rank waits forever at the barrier."""
+    error = [None]
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error[0] = str(e)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
+    if rank != 0:
+        result = fn()
+    torch.distributed.barrier()
+    return result
+
+
+def evaluate(engine, blocks, cfg, rank, world, device) -> dict:
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, token count
+    with torch.no_grad():
+        for batch, weight in data.eval_batches(blocks, cfg.per_device_eval_batch_size, rank, world,
+                                               cfg.max_eval_batches):
+            batch, weight = batch.to(device), weight.to(device)
+            logits = engine(input_ids=batch).logits[:, :-1].float()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+            total[0] += (losses.sum(dim=1) * weight).sum()
+            total[1] += weight.sum() * (batch.shape[1] - 1)
+    torch.distributed.all_reduce(total)
+    if total[1].item() == 0:
+        return {}
+    loss = (total[0] / total[1]).item()
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
+
+
+def progress_bar(rank: int, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=rank != 0, desc="train", unit="step", mininterval=1.0,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def dry_run(cfg, ds, notes, model_config, world, log) -> int:
+    n = modeling.count_params_meta(model_config)
+    tokens = ds["train_batch_size"] * cfg.block_size
+    log("resolved DeepSpeed config:")
+    log(json.dumps(ds, indent=2))
+    for note in notes:
+        log(f"note: {note}")
+    steps = str(cfg.max_steps) if cfg.max_steps > 0 else f"{cfg.num_train_epochs} epoch(s); count known once the data is prepared"
+    log(f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; world {world}; ZeRO stage "
+        f"{ds_config.zero_stage(ds)}; {'bf16' if ds['bf16']['enabled'] else 'fp16' if ds['fp16']['enabled'] else 'fp32'}; "
+        f"{ds['train_batch_size']} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
+        f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv[1:])
+    except ConfigError as e:
+        # Bad input: one line that names the problem and the fix, no traceback (rank 0 speaks for all).
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    distributed.finish(code)

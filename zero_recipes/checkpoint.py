@@ -1,0 +1,153 @@
+"""DeepSpeed checkpoints inside output_dir, resume, rotation, and keeping one run per output_dir.
+
+Layout:  output_dir/run_config.json        what makes this run this run (compared on relaunch)
+         output_dir/checkpoints/latest     DeepSpeed's pointer to the newest complete tag
+         output_dir/checkpoints/step-N/    DeepSpeed's own files, plus rng_state_<rank>.pt
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from .config import ConfigError
+
+RUN_CONFIG = "run_config.json"
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return output_dir / "checkpoints"
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    d = checkpoints_dir(output_dir)
+    tags = [p for p in d.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d+", p.name)] if d.is_dir() else []
+    return sorted(tags, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_tag(output_dir: Path) -> Optional[str]:
+    latest = checkpoints_dir(output_dir) / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if (checkpoints_dir(output_dir) / tag).is_dir():
+            return tag
+    return None
+
+
+def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume: Optional[str]) -> Optional[str]:
+    """Decide what this launch may do with output_dir. Returns the resume request ('auto', a path or None).
+
+    - Empty or new: train from scratch.
+    - Same run (same signature): resume from its newest checkpoint, so repeating a launch continues or
+      finishes instead of failing.
+    - Another run: refuse unless --overwrite_output_dir, or --resume_from_checkpoint was given (changing
+      e.g. max_steps to extend a run is then deliberate).
+    - Files that are not a zero-recipes run: refuse unless --overwrite_output_dir; never delete them."""
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return resume
+    saved = output_dir / RUN_CONFIG
+    if not saved.is_file():
+        if overwrite:
+            return resume
+        raise ConfigError(f"output_dir {output_dir} is not empty and holds no zero-recipes run; choose another "
+                          "--output_dir or pass --overwrite_output_dir")
+    try:
+        previous = json.loads(saved.read_text())
+    except json.JSONDecodeError:
+        previous = None
+    same = previous == signature
+    if overwrite and resume is None:
+        return None
+    if same:
+        return resume or ("auto" if latest_tag(output_dir) else None)
+    if resume is not None:
+        return resume
+    changed = sorted(k for k in set(previous or {}) | set(signature)
+                     if (previous or {}).get(k) != signature.get(k))
+    raise ConfigError(f"output_dir {output_dir} holds a different run (changed: {', '.join(changed[:6])}); use "
+                      "another --output_dir, --overwrite_output_dir to start over, or --resume_from_checkpoint "
+                      "auto to continue it with the new settings")
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """--overwrite_output_dir: remove what an earlier zero-recipes run wrote, nothing else."""
+    shutil.rmtree(checkpoints_dir(output_dir), ignore_errors=True)
+    for name in ("metrics.jsonl", RUN_CONFIG, "ds_config.json"):
+        (output_dir / name).unlink(missing_ok=True)
+
+
+def write_run_config(output_dir: Path, signature: dict, ds_config: dict) -> None:
+    (output_dir / RUN_CONFIG).write_text(json.dumps(signature, indent=2, sort_keys=True))
+    (output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+
+def resolve_resume(output_dir: Path, request: Optional[str]) -> Optional[tuple[Path, str]]:
+    """'auto' -> the newest complete checkpoint or None; a path -> (checkpoints dir, tag)."""
+    if request is None:
+        return None
+    if request == "auto":
+        tag = latest_tag(output_dir)
+        return (checkpoints_dir(output_dir), tag) if tag else None
+    p = Path(request)
+    if (p / "latest").is_file():
+        return p, (p / "latest").read_text().strip()
+    if p.is_dir() and any(p.glob("*model_states.pt")):
+        return p.parent, p.name
+    if (p / "checkpoints" / "latest").is_file():
+        return p / "checkpoints", (p / "checkpoints" / "latest").read_text().strip()
+    raise ConfigError(f"--resume_from_checkpoint {request}: no DeepSpeed checkpoint there; give 'auto', an "
+                      "output_dir, its checkpoints/ directory or a checkpoints/step-N directory")
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, keep: int) -> Path:
+    """Save a checkpoint; DeepSpeed writes `latest` only after every rank's files are written."""
+    import torch
+
+    d = checkpoints_dir(output_dir)
+    tag = f"step-{step}"
+    (d / tag).mkdir(parents=True, exist_ok=True)
+    # RNG per rank: DeepSpeed saves none, and dropout/sampling streams differ per rank.
+    torch.save(rng_state(), d / tag / f"rng_state_{rank}.pt")
+    engine.save_checkpoint(str(d), tag=tag, client_state=client_state)
+    torch.distributed.barrier()
+    if rank == 0 and keep > 0:
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+    return d / tag
+
+
+def load(engine, where: tuple[Path, str], rank: int) -> dict:
+    import torch
+
+    load_dir, tag = where
+    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise ConfigError(f"could not load checkpoint {load_dir / tag}")
+    rng_file = load_dir / tag / f"rng_state_{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return client_state or {}
+

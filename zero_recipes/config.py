@@ -1,0 +1,344 @@
+"""The whole configuration of a run: one typed schema, filled by a YAML recipe and `--key value` flags.
+
+Field names follow Hugging Face `TrainingArguments` wherever one exists, so HF users feel at home.
+Precedence, lowest to highest: the schema defaults, `--recipe FILE.yaml`, then command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+BUILTIN_DATASET = "builtin:python-docstrings"
+"""The embedded corpus: docstrings of the running Python's standard library, present on any machine."""
+
+
+class ConfigError(Exception):
+    """Bad user input. train.py prints it as one line and exits non-zero, without a traceback."""
+
+
+@dataclass
+class TrainConfig:
+    # ---- model -------------------------------------------------------------------------------------
+    model_name_or_path: Optional[str] = None
+    """Hub id or local directory of a pretrained model, loaded with `from_pretrained`. Unset (and no
+    `model_config`): the embedded tiny Llama, randomly initialised."""
+    model_config: Any = None
+    """Random init from HF config fields: a JSON/YAML file, an inline JSON object, or a mapping in a
+    recipe. With `model_type` it stands alone; otherwise it overrides the config of `model_name_or_path`
+    (or of the embedded tiny Llama), which is how tests shrink any architecture."""
+    tokenizer_name_or_path: Optional[str] = None
+    """Hub id or local directory. Unset: the tokenizer of `model_name_or_path`, else the embedded
+    byte-level BPE trained offline on the embedded corpus."""
+    trust_remote_code: bool = False
+    """Allow model/tokenizer code from the hub. Off by default: it executes downloaded code."""
+    attn_implementation: str = "sdpa"
+    """`sdpa`, `flash_attention_2` or `eager`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about 30 % more compute."""
+
+    # ---- data --------------------------------------------------------------------------------------
+    dataset_name: str = BUILTIN_DATASET
+    """Hub dataset id, a local json/jsonl/csv/parquet/txt file, a directory saved by `datasets`, or the
+    embedded `builtin:python-docstrings`."""
+    dataset_config_name: Optional[str] = None
+    """The hub dataset's configuration (its second argument to `load_dataset`)."""
+    dataset_split: str = "train"
+    """Split to train on. A held-out fraction of it becomes the eval set."""
+    text_column: str = "text"
+    """Column holding the raw text."""
+    block_size: int = 256
+    """Tokens per training sequence. Documents are concatenated (EOS between them) and cut into blocks."""
+    validation_split_percentage: float = 5.0
+    """Percent of documents held out for eval loss and perplexity."""
+    preprocessing_num_workers: Optional[int] = None
+    """Processes for tokenisation (`datasets.map(num_proc=...)`). Unset: one per core, at most 8."""
+    cache_dir: Optional[str] = None
+    """Where the embedded corpus, tokenizer and tokenised blocks are cached. Unset:
+    `$ZERO_RECIPES_CACHE` or `~/.cache/zero-recipes`."""
+
+    # ---- optimisation (HF TrainingArguments names) -------------------------------------------------
+    per_device_train_batch_size: int = 16
+    """Micro-batch per rank (DeepSpeed `train_micro_batch_size_per_gpu`)."""
+    per_device_eval_batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Gradient clipping (DeepSpeed `gradient_clipping`). 0 disables it."""
+    num_train_epochs: float = 1.0
+    """Used only when `max_steps` <= 0."""
+    max_steps: int = 200
+    """Optimizer steps to train. <= 0: derive from `num_train_epochs` and the dataset size."""
+    warmup_steps: int = 0
+    """Linear warmup steps; wins over `warmup_ratio` when > 0."""
+    warmup_ratio: float = 0.05
+    lr_scheduler_type: str = "cosine"
+    """`cosine`, `linear` or `constant_with_warmup`, as `transformers.get_scheduler`."""
+    seed: int = 42
+    """One seed, one model: the initial weights are the same whatever the ZeRO stage or world size."""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision. Unset: follow the DeepSpeed config; its "auto" then means off."""
+    fp16: Optional[bool] = None
+    """fp16 mixed precision with dynamic loss scaling. Unset: as for `bf16`."""
+
+    # ---- DeepSpeed ---------------------------------------------------------------------------------
+    deepspeed: list = field(default_factory=list)
+    """DeepSpeed JSON files, deep-merged left to right; "auto" values are filled as the HF Trainer does."""
+    nvme_path: Optional[str] = None
+    """Directory on a fast local NVMe for ZeRO-Infinity (fills "auto" `nvme_path` in `nvme.json`)."""
+
+    # ---- logging, eval, checkpoints ----------------------------------------------------------------
+    output_dir: str = "outputs/tiny-llama"
+    """Run directory: metrics.jsonl, the resolved configs, checkpoints/ and, at the end, the HF model."""
+    overwrite_output_dir: bool = False
+    """Allow training into an `output_dir` that holds a different run."""
+    logging_steps: int = 10
+    eval_steps: int = 50
+    """Evaluate every N optimizer steps (and at the end). 0 disables periodic eval."""
+    max_eval_batches: int = 50
+    """Cap on eval micro-batches per rank, so eval stays cheap on big held-out sets. 0: no cap."""
+    save_steps: int = 100
+    """Save a DeepSpeed checkpoint every N optimizer steps (and at the end). 0: only at the end."""
+    save_total_limit: int = 2
+    """Keep the newest N checkpoints. 0 keeps all."""
+    resume_from_checkpoint: Optional[str] = None
+    """`auto` (the newest in output_dir/checkpoints) or a checkpoint path."""
+    verify_export: bool = False
+    """After export, reload the HF model on rank 0 and check its logits equal the engine's."""
+    dry_run: bool = False
+    """Print the resolved DeepSpeed config and the plan, then exit without training."""
+
+    # ---- accepted for launcher compatibility ------------------------------------------------------
+    local_rank: int = -1
+    """Set by the `deepspeed` launcher; the rank is read from the environment."""
+
+
+# Fields that steer this launch only; they do not make a different run (see checkpoint.check_output_dir).
+RUN_CONTROL_FIELDS = {"resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
+                      "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
+                      "preprocessing_num_workers", "cache_dir", "max_eval_batches"}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_docs() -> dict[str, str]:
+    """Field docstrings, read from the source so `--help` shows the schema's own words."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    docs, last = {}, None
+    for node in tree.body[0].body:
+        if isinstance(node, ast.AnnAssign):
+            last = node.target.id
+        elif last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[last] = " ".join(str(node.value.value).split())
+            last = None
+    return docs
+
+
+def _base_type(tp):
+    """Optional[int] -> int; list/dict stay."""
+    tp = eval(tp, vars(typing)) if isinstance(tp, str) else tp
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "y", "on"):
+        return True
+    if text in ("false", "0", "no", "n", "off"):
+        return False
+    raise ConfigError(f"--{name} expects true or false, got {value!r}")
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type, with an error naming the field."""
+    tp = _base_type(FIELDS[name].type)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and tp is not str):
+        return None
+    try:
+        if tp is bool:
+            return parse_bool(name, value)
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+        if tp is list:
+            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    except (TypeError, ValueError):
+        raise ConfigError(f"--{name} expects {tp.__name__}, got {value!r}") from None
+    return value
+
+
+def unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see `python train.py --help` for the options"
+    return ConfigError(f"unknown option '{key}' in {where}{hint}")
+
+
+def load_recipe(path: str) -> dict:
+    p = resolve_path(path)
+    if not p.is_file():
+        recipes = sorted(x.name for x in (REPO_ROOT / "recipes").glob("*.yaml"))
+        raise ConfigError(f"recipe '{path}' not found; shipped recipes: {', '.join(recipes)}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"recipe {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def resolve_path(path: str) -> Path:
+    """A relative path is taken from the current directory, else from the repository root, so recipes
+    name `ds_configs/zero3.json` and still work when copied and launched from elsewhere."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute() or p.exists():
+        return p
+    alt = REPO_ROOT / p
+    return alt if alt.exists() else p
+
+
+def split_argv(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """['--a', '1', '--flag', '--b=2', '--deepspeed', 'x.json', 'y.json'] -> [(a,[1]), (flag,[]), ...]"""
+    items: list[tuple[str, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--") and len(tok) > 2:
+            key, eq, val = tok[2:].partition("=")
+            items.append((key.replace("-", "_"), [val] if eq else []))
+        elif items:
+            items[-1][1].append(tok)
+        else:
+            raise ConfigError(f"unexpected argument '{tok}'; options look like --key value")
+    return items
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
+    """Build the config from argv. Returns it and the names of the fields the user set explicitly."""
+    items = split_argv(argv)
+    values: dict[str, Any] = {}
+    recipe = [v for k, v in items if k == "recipe"]
+    if recipe:
+        if len(recipe[-1]) != 1:
+            raise ConfigError("--recipe takes one YAML file, e.g. --recipe recipes/tiny-llama.yaml")
+        path = recipe[-1][0]
+        for key, value in load_recipe(path).items():
+            if key not in FIELDS:
+                raise unknown_key_error(key, f"recipe {path}")
+            values[key] = coerce(key, value)
+    for key, vals in items:
+        if key == "recipe":
+            continue
+        if key not in FIELDS:
+            raise unknown_key_error(key, "the command line")
+        tp = _base_type(FIELDS[key].type)
+        if tp is list:
+            if not vals:
+                raise ConfigError(f"--{key} needs at least one value")
+            values[key] = vals
+        elif tp is bool and not vals:
+            values[key] = True
+        elif len(vals) != 1:
+            raise ConfigError(f"--{key} takes one value, got {len(vals)}: {' '.join(vals) or '(none)'}")
+        else:
+            values[key] = coerce(key, vals[0])
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg, set(values) - {"local_rank"}
+
+
+def validate(cfg: TrainConfig) -> None:
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("bf16 and fp16 are both on; choose one (--bf16 true --fp16 false, or the reverse)")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "block_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"--learning_rate must be > 0, got {cfg.learning_rate}")
+    if not 0 <= cfg.validation_split_percentage < 100:
+        raise ConfigError(f"--validation_split_percentage must be in [0, 100), got {cfg.validation_split_percentage}")
+    if cfg.lr_scheduler_type not in ("cosine", "linear", "constant_with_warmup", "constant"):
+        raise ConfigError(f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; "
+                          "use cosine, linear, constant_with_warmup or constant")
+    if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
+        raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
+    if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
+        raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
+    if not cfg.deepspeed and not cfg.dry_run:
+        raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
+
+
+def parse_model_config(value: Any) -> Optional[dict]:
+    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value).strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--model_config inline JSON is invalid at column {e.colno}: {e.msg}") from None
+    else:
+        p = resolve_path(text)
+        if not p.is_file():
+            raise ConfigError(f"--model_config '{text}' is neither an inline JSON object nor an existing file")
+        try:
+            data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--model_config must be an object of HF config fields, got {type(data).__name__}")
+    return data
+
+
+def run_signature(cfg: TrainConfig, ds_config: dict) -> dict:
+    """What makes two launches the same run: every field but the per-launch controls, plus DeepSpeed."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CONTROL_FIELDS}
+    d["model_config"] = parse_model_config(cfg.model_config)
+    d["deepspeed"] = ds_config
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def help_text() -> str:
+    docs = field_docs()
+    lines = ["usage: deepspeed train.py --deepspeed ds_configs/zero3.json [--recipe recipes/X.yaml] [--key value ...]",
+             "", "options (also valid as recipe keys):"]
+    for name, f in FIELDS.items():
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  --{name} (default: {default!r})")
+        if docs.get(name):
+            lines.append(f"      {docs[name]}")
+    return "\n".join(lines)

@@ -1,0 +1,226 @@
+"""DeepSpeed JSON: merge fragments left to right, then fill every "auto" with the HF Trainer's semantics.
+
+Why not `transformers.integrations.HfTrainerDeepSpeedConfig`: it is bound to `TrainingArguments` and
+fills values lazily (some only inside `Trainer.train`), which is how "auto"s end up unresolved under
+`zero.Init` (axolotl #1850). Here everything is resolved up front, explicit contradictions are errors
+naming both values, and an "auto" nobody knows how to fill is an error instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
+
+AUTO = "auto"
+
+
+def load_fragments(paths: list[str]) -> dict:
+    merged: dict = {}
+    for path in paths:
+        p = resolve_path(path)
+        if not p.is_file():
+            shipped = ", ".join(sorted(x.name for x in (REPO_ROOT / "ds_configs").glob("*.json")))
+            raise ConfigError(f"DeepSpeed config '{path}' not found; shipped in ds_configs/: {shipped}")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
+        merged = deep_merge(merged, data)
+    return merged
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
+    """(optimizer offload device, param offload device), each None, 'cpu' or 'nvme'."""
+    z = ds.get("zero_optimization", {})
+
+    def dev(key):
+        d = (z.get(key) or {}).get("device", "none")
+        return None if d in (None, "none") else d
+
+    return dev("offload_optimizer"), dev("offload_param")
+
+
+class Resolver:
+    """Fills "auto"s and collects contradictions, so the user sees every conflict at once."""
+
+    def __init__(self, cfg: TrainConfig, explicit: set[str]):
+        self.cfg, self.explicit = cfg, explicit
+        self.conflicts: list[str] = []
+        self.adopted: list[str] = []
+
+    def match(self, node: dict, key: str, value: Any, field: Optional[str], where: str) -> None:
+        """node[key] = value if auto/absent; if explicit and different: adopt it into the recipe when the
+        recipe never set that field, else record a conflict naming both values."""
+        if key not in node or node[key] == AUTO:
+            node[key] = value
+            return
+        given = node[key]
+        if field is None or _same(given, value):
+            return
+        if field not in self.explicit:
+            setattr(self.cfg, field, given)
+            self.adopted.append(f"{field}={given!r} (from the DeepSpeed config's {where})")
+            return
+        self.conflicts.append(f"{where}={given!r} but {field}={value!r}")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hidden_size: Optional[int],
+            total_steps: Optional[int]) -> tuple[dict, list[str]]:
+    """Return (resolved config, notes). `total_steps` None leaves the scheduler's step count as "auto"
+    (only a dry run does that: the dataset size is not known yet). May update `cfg` for fields the user
+    left at their defaults and the DeepSpeed config sets explicitly; the notes say which."""
+    ds = copy.deepcopy(raw)
+    r = Resolver(cfg, explicit)
+    notes: list[str] = []
+
+    # Precision: a fragment saying enabled=true (bf16.json) turns it on unless the recipe says otherwise.
+    for name in ("bf16", "fp16"):
+        block = ds.setdefault(name, {})
+        if not isinstance(block, dict):
+            raise ConfigError(f"DeepSpeed config '{name}' must be an object like {{\"enabled\": \"auto\"}}")
+        enabled = block.get("enabled", AUTO)
+        mine = getattr(cfg, name)
+        if enabled == AUTO:
+            block["enabled"] = bool(mine)
+        elif mine is None:
+            setattr(cfg, name, bool(enabled))
+        elif bool(enabled) != bool(mine):
+            r.conflicts.append(f"{name}.enabled={enabled!r} but {name}={mine!r}")
+    if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
+        raise ConfigError("bf16 and fp16 are both enabled; use one precision fragment (bf16.json or fp16.json)")
+
+    # Batch arithmetic, as HF: train_batch_size = micro x accumulation x world.
+    micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    r.match(ds, "train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", "train_micro_batch_size_per_gpu")
+    r.match(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps", "gradient_accumulation_steps")
+    micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    if isinstance(ds["train_micro_batch_size_per_gpu"], int):
+        micro = ds["train_micro_batch_size_per_gpu"]
+    if isinstance(ds["gradient_accumulation_steps"], int):
+        gas = ds["gradient_accumulation_steps"]
+    tbs = ds.get("train_batch_size", AUTO)
+    if tbs == AUTO:
+        ds["train_batch_size"] = micro * gas * world_size
+    elif tbs != micro * gas * world_size:
+        raise ConfigError(f"batch sizes do not add up: train_batch_size={tbs} but micro {micro} x accumulation "
+                          f"{gas} x world {world_size} = {micro * gas * world_size}; set train_batch_size to \"auto\"")
+
+    r.match(ds, "gradient_clipping", cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
+
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict):
+        p = opt.setdefault("params", {})
+        r.match(p, "lr", cfg.learning_rate, "learning_rate", "optimizer.params.lr")
+        r.match(p, "weight_decay", cfg.weight_decay, "weight_decay", "optimizer.params.weight_decay")
+        r.match(p, "eps", cfg.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
+        if p.get("betas", AUTO) == AUTO:
+            p["betas"] = [cfg.adam_beta1, cfg.adam_beta2]
+        else:
+            r.match(p, "betas", [cfg.adam_beta1, cfg.adam_beta2], None, "optimizer.params.betas")
+            b = p["betas"]
+            for i, name in enumerate(("adam_beta1", "adam_beta2")):
+                r.match({"b": b[i]}, "b", getattr(cfg, name), name, f"optimizer.params.betas[{i}]")
+
+    sched = ds.get("scheduler")
+    if isinstance(sched, dict):
+        p = sched.setdefault("params", {})
+        warmup = warmup_steps(cfg, total_steps) if total_steps is not None else AUTO
+        r.match(p, "warmup_min_lr", 0, None, "scheduler.params.warmup_min_lr")
+        r.match(p, "warmup_max_lr", cfg.learning_rate, "learning_rate", "scheduler.params.warmup_max_lr")
+        if warmup != AUTO:
+            r.match(p, "warmup_num_steps", warmup, None, "scheduler.params.warmup_num_steps")
+        if sched.get("type") in ("WarmupDecayLR", "WarmupCosineLR") and total_steps is not None:
+            r.match(p, "total_num_steps", total_steps, None, "scheduler.params.total_num_steps")
+        if total_steps is None:
+            notes.append("scheduler steps stay 'auto' until the dataset is prepared")
+
+    z = ds.get("zero_optimization")
+    if isinstance(z, dict):
+        autos = [k for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                             "stage3_param_persistence_threshold", "param_persistence_threshold") if z.get(k) == AUTO]
+        if autos and not hidden_size:
+            raise ConfigError(f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
+                              "hidden_size; give them numeric values")
+        if hidden_size:
+            h = hidden_size
+            for key, value in (("reduce_bucket_size", h * h),
+                               ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+                               ("prefetch_bucket_size", int(0.9 * h * h)),
+                               ("stage3_param_persistence_threshold", 10 * h),
+                               ("param_persistence_threshold", 10 * h)):
+                if z.get(key) == AUTO:
+                    z[key] = value
+        for key in ("offload_optimizer", "offload_param"):
+            block = z.get(key)
+            if isinstance(block, dict) and block.get("nvme_path") == AUTO:
+                if block.get("device") != "nvme":
+                    del block["nvme_path"]
+                elif not cfg.nvme_path:
+                    raise ConfigError("the DeepSpeed config offloads to NVMe with nvme_path \"auto\"; "
+                                      "give --nvme_path /local/nvme/dir")
+                else:
+                    block["nvme_path"] = cfg.nvme_path
+                    Path(cfg.nvme_path).mkdir(parents=True, exist_ok=True)
+        if zero_stage(ds) == 3:
+            # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
+            # `save_16bit_model` usable too, as HF configs expect.
+            z.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+
+    if r.conflicts:
+        raise ConfigError("the DeepSpeed config contradicts the recipe: " + "; ".join(r.conflicts)
+                          + " (set those keys to \"auto\" or change the recipe)")
+    if total_steps is not None:
+        left = find_auto(ds)
+        if left:
+            raise ConfigError(f"DeepSpeed config key '{left}' is \"auto\" but zero-recipes does not know how to "
+                              "fill it; give it a value")
+    notes.extend(f"adopted {a}" for a in r.adopted)
+    return ds, notes
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """HF semantics: warmup_steps wins when > 0, else ceil(warmup_ratio x total)."""
+    import math
+
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+
+
+def find_auto(node, prefix="") -> Optional[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            hit = find_auto(v, f"{prefix}.{k}" if prefix else k)
+            if hit:
+                return hit
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            hit = find_auto(v, f"{prefix}[{i}]")
+            if hit:
+                return hit
+    elif node == AUTO:
+        return prefix
+    return None

@@ -1,0 +1,65 @@
+"""The DeepSpeed engine: optimizer, LR schedule and `deepspeed.initialize`.
+
+When the DeepSpeed config has its own `optimizer`/`scheduler` blocks, DeepSpeed builds them (with the
+"auto"s already filled). Otherwise, as the HF Trainer does, we build AdamW and a transformers schedule:
+torch AdamW (fused on CUDA) is bitwise-resumable; with optimizer offload DeepSpeed requires its C++
+DeepSpeedCPUAdam, which is fast but recomputes beta^t differently after a reload (1-ULP drift, measured).
+"""
+
+from __future__ import annotations
+
+from .config import TrainConfig
+from .ds_config import offloads, warmup_steps
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D tensors), as the HF Trainer."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if getattr(p, "ds_shape", p.shape).__len__() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(cfg: TrainConfig, model, ds: dict):
+    import torch
+
+    if "optimizer" in ds:
+        return None
+    groups = param_groups(model, cfg.weight_decay)
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if offloads(ds)[0] is not None:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
+                             fused=torch.cuda.is_available())
+
+
+def make_scheduler(cfg: TrainConfig, ds: dict, total_steps: int):
+    """A callable DeepSpeed applies to the optimizer it ends up with (its own or ours)."""
+    if "scheduler" in ds:
+        return None
+    from transformers import get_scheduler
+
+    warmup = warmup_steps(cfg, total_steps)
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" and warmup else cfg.lr_scheduler_type
+
+    def build(optimizer):
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+    return build
+
+
+def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int):
+    import deepspeed
+
+    optimizer = make_optimizer(cfg, model, ds)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=None if optimizer is not None else param_groups(model, cfg.weight_decay),
+        lr_scheduler=make_scheduler(cfg, ds, total_steps),
+        config=ds,
+    )
+    return engine

@@ -1,0 +1,132 @@
+"""FLOPs, MFU and the metrics log. The one place that does this arithmetic (train.py and tools/ use it).
+
+Model FLOPs per token follow PaLM (arXiv 2204.02311, appendix B): 6·N for the weight matmuls of
+forward + backward, where N counts the parameters that take part in a matmul (the input embedding is a
+lookup and costs none; a tied lm_head counts once), plus 12·L·d_attn·s for the attention scores and the
+weighted sum. Recomputation for gradient checkpointing is not model FLOPs, by MFU's definition.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+# Dense (not 2:4 sparse) peak, FLOP/s per device. NVIDIA's headline H100 figure of 1979 is sparse; using
+# it halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
+PEAK_FLOPS = {
+    # name substring: {dtype: flop/s}
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12},  # fp32 via TF32 tensor cores
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "fp32": 163e12},
+}
+
+
+def peak_flops_from_table(device_name: str, dtype: str) -> Optional[float]:
+    for key, table in PEAK_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return table.get(dtype)
+    return None
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token for an HF decoder config, without recomputation."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = text.hidden_size
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    inter = getattr(text, "intermediate_size", None) or 4 * h
+    vocab = text.vocab_size
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    attn = h * q_out + 2 * h * kv_out + q_out * h  # q, k, v, o projections
+    gated = getattr(text, "hidden_act", "gelu") in ("silu", "swiglu") or getattr(text, "model_type", "") in (
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+    mlp = (3 if gated else 2) * h * inter
+    matmul_params = layers * (attn + mlp) + h * vocab  # + lm_head
+    return 6 * matmul_params + 12 * layers * q_out * seq_len
+
+
+def num_params(model) -> int:
+    """Parameter count that also works for ZeRO-3 partitioned and meta-device models."""
+    total = 0
+    seen = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += getattr(p, "ds_numel", None) or p.numel()
+    return total
+
+
+def measure_cpu_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5) -> float:
+    """The CPU has no datasheet peak we can trust per rank, so measure it: large square matmuls with
+    this process's threads. Every rank measures at the same time, so contention is included."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float32}[dtype_name]
+    n = 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def device_peak_flops(dtype_name: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from)."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        peak = peak_flops_from_table(name, dtype_name)
+        if peak:
+            return peak, f"{name} datasheet dense {dtype_name}"
+    peak = measure_cpu_matmul_peak(dtype_name)
+    return peak, f"measured {dtype_name} matmul, {torch.get_num_threads()} threads"
+
+
+def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak: float) -> float:
+    return tokens_per_sec_per_device * flops_per_token / peak
+
+
+def memory_stats() -> dict:
+    import torch
+
+    out = {}
+    if torch.cuda.is_available():
+        out["mem_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
+        out["mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import psutil
+
+        out["cpu_rss_gb"] = psutil.Process().memory_info().rss / 2**30
+    except ImportError:
+        pass
+    return out
+
+
+class MetricsLog:
+    """One JSON object per line in output_dir/metrics.jsonl (rank 0 only), appended across resumes."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.enabled = enabled
+        self.f = open(path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.f:
+            self.f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()

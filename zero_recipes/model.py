@@ -1,0 +1,199 @@
+"""Model: config resolution, construction (ZeRO-3 straight into partitions), seeded init, HF export."""
+
+from __future__ import annotations
+
+import zlib
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+from .config import ConfigError, TrainConfig, parse_model_config
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+                  vocab_size=4096)
+"""The embedded default: a 2.3M-parameter Llama (GQA, SwiGLU, RoPE) that trains in minutes on 2 CPU cores."""
+
+
+def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
+    """The HF config of the model to train. `vocab_size` (the tokenizer's) sizes the embedded model."""
+    from transformers import AutoConfig
+
+    overrides = parse_model_config(cfg.model_config)
+    try:
+        if overrides and "model_type" in overrides:
+            fields = dict(overrides)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        elif cfg.model_name_or_path:
+            config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+            for k, v in (overrides or {}).items():
+                setattr(config, k, v)
+        else:
+            fields = dict(TINY_LLAMA)
+            fields.pop("model_type")
+            if vocab_size:
+                fields["vocab_size"] = vocab_size
+            fields.update(overrides or {})
+            config = AutoConfig.for_model("llama", **fields)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot build the model config: {str(e).splitlines()[0]}") from None
+    text = config.get_text_config()
+    max_pos = getattr(text, "max_position_embeddings", None)
+    if max_pos and cfg.block_size > max_pos:
+        raise ConfigError(f"block_size {cfg.block_size} exceeds the model's max_position_embeddings {max_pos}; "
+                          f"use --block_size {max_pos} or less")
+    if cfg.attn_implementation:
+        config._attn_implementation = cfg.attn_implementation
+    return config
+
+
+def hidden_size(config) -> Optional[int]:
+    return getattr(config.get_text_config(), "hidden_size", None)
+
+
+def causal_lm_class(config):
+    """Resolve (and so import) the model class before any `zero.Init`: importing transformers model
+    code or torch._dynamo inside zero.Init breaks (measured)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        if getattr(config, "auto_map", None) and "AutoModelForCausalLM" in config.auto_map:
+            return AutoModelForCausalLM
+        raise ConfigError(f"model type '{config.model_type}' has no causal-LM head in transformers") from None
+
+
+def count_params_meta(config) -> int:
+    """Parameter count without allocating: build on the meta device."""
+    import torch
+
+    cls = causal_lm_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_model(cfg: TrainConfig, config, dtype, rank: int):
+    """Pretrained weights or a seeded random init. The caller keeps an `HfDeepSpeedConfig` alive, so
+    under ZeRO-3 transformers builds inside `zero.Init` and each rank only ever holds its partition."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cls = causal_lm_class(config)
+    if cfg.model_name_or_path and cfg.model_config is None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, config=config, dtype=dtype,
+                                                         trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load model '{cfg.model_name_or_path}': {str(e).splitlines()[0]}") from None
+    else:
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code) \
+            if cls is AutoModelForCausalLM else cls._from_config(config, dtype=dtype)
+        seeded_reinit(model, cfg.seed, rank)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def seeded_reinit(model, seed: int, rank: int) -> None:
+    """Re-initialise every module from a seed derived from (seed, module name).
+
+    transformers initialises differently with and without zero.Init (the RNG stream is consumed in a
+    different order, measured), so a seed would not mean one model across ZeRO stages. Seeding each
+    module by its name makes the weights independent of stage, world size and construction order.
+    Under ZeRO-3 each module is gathered, initialised on rank 0 and re-partitioned."""
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    zero3 = is_deepspeed_zero3_enabled()
+    owners = {"": model}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            parent = owners.get(name.rpartition(".")[0] if "." in name else "", model)
+            owner = module if isinstance(module, PreTrainedModel) else parent
+            owners[name] = owner
+            params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            if zero3:
+                import deepspeed
+                ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            else:
+                ctx = nullcontext()
+            with ctx:
+                if zero3 and rank != 0:
+                    continue
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                    owner._init_weights(module)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
+    """The trained weights as a CPU state dict on rank 0 (None elsewhere). Under ZeRO-3 each parameter is
+    gathered in turn, so no rank ever holds more than one full tensor on the device; ZeRO-3 saves with
+    empty placeholder weights (LLaMA-Factory #253) come from skipping this."""
+    import torch
+
+    module = engine.module
+    if not zero3:
+        if rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    import deepspeed
+
+    sd = {} if rank == 0 else None
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if rank == 0:
+                sd[name] = param.detach().cpu().clone()
+    if rank == 0:
+        for name, buf in module.named_buffers():
+            if buf is not None:
+                sd[name] = buf.detach().cpu().clone()
+        # drop non-persistent buffers (e.g. rotary inv_freq) that state_dict() would not contain
+        persistent = set(module.state_dict().keys())
+        sd = {k: v for k, v in sd.items() if k in persistent}
+    torch.distributed.barrier()
+    return sd
+
+
+def export_hf_model(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
+    """Leave a complete HF model directory in `out_dir`, as the HF Trainer does."""
+    import torch
+
+    sd = full_state_dict(engine, zero3, rank)
+    if rank == 0:
+        model = engine.module
+        model.config.use_cache = True
+        model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    torch.distributed.barrier()
+
+
+def verify_export(engine, out_dir: Path, probe, rank: int, dtype) -> Optional[float]:
+    """Reload `out_dir` on rank 0 with plain `from_pretrained` and return the max |logit difference|
+    against the engine on the same input (all ranks run the engine: ZeRO-3 forwards are collective)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    engine.eval()
+    with torch.no_grad():
+        ref = engine(input_ids=probe).logits.float().cpu()
+    diff = None
+    if rank == 0:
+        unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
+        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            got = reloaded(input_ids=probe).logits.float()
+        diff = (got - ref).abs().max().item()
+    torch.distributed.barrier()
+    return diff
