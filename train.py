@@ -37,7 +37,7 @@ from zero_recipes.engine import make_engine
 
 # DeepSpeed still calls the c10d collectives torch renamed; the warning is theirs, repeated every step.
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
-from zero_recipes.config import ConfigError, help_text, parse_args, run_signature
+from zero_recipes.config import BUILTIN_DATASET, ConfigError, help_text, parse_args, run_signature
 
 
 def main(argv: list[str]) -> int:
@@ -54,14 +54,16 @@ def main(argv: list[str]) -> int:
                                   total_steps=cfg.max_steps if cfg.max_steps > 0 else None)
     if cfg.dry_run:
         return dry_run(cfg, ds, notes, model_config, world, log)
+    if cfg.dataset_name != BUILTIN_DATASET:
+        data.dataset_source(cfg)  # a missing file fails here, before any process group exists
+    output_dir = Path(cfg.output_dir)
+    resume = checkpoint.check_output_dir(output_dir, run_signature(cfg, raw_ds), cfg.overwrite_output_dir,
+                                         cfg.resume_from_checkpoint)
 
     # ---- distributed ----------------------------------------------------------------------------------
     threads = distributed.set_threads(local_world)
     distributed.init()
     distributed.quiet_deepspeed()
-    output_dir = Path(cfg.output_dir)
-    resume = checkpoint.check_output_dir(output_dir, run_signature(cfg, raw_ds), cfg.overwrite_output_dir,
-                                         cfg.resume_from_checkpoint)
     torch.distributed.barrier()  # every rank has read output_dir before rank 0 writes to it
     if rank == 0:
         if cfg.overwrite_output_dir and cfg.resume_from_checkpoint is None:
@@ -128,13 +130,19 @@ def main(argv: list[str]) -> int:
     first_loss = last_loss = None
     start_step, run_start = step, time.perf_counter()
     engine.train()
+    own_grad_norm = None  # set when DeepSpeed keeps no grad norm (ZeRO-0 in fp32 has no optimizer wrapper)
     while step < total_steps:
-        for _ in range(cfg.gradient_accumulation_steps):
+        logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total_steps
+        for micro in range(cfg.gradient_accumulation_steps):
             t = time.perf_counter()
             batch = order.next_batch().to(device, non_blocking=True)
             data_wait += time.perf_counter() - t
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
+            if logging_step and micro == cfg.gradient_accumulation_steps - 1 and ds_config.zero_stage(ds) == 0 \
+                    and dtype_name == "fp32":
+                own_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
+                                                               if p.grad is not None])
             engine.step()
             loss_sum += loss.detach()
         step += 1
@@ -150,6 +158,7 @@ def main(argv: list[str]) -> int:
             elapsed = time.perf_counter() - window_start
             tps = tokens_per_step_rank * window_steps / elapsed
             grad_norm = engine.get_global_grad_norm()
+            grad_norm = own_grad_norm if grad_norm is None else grad_norm
             record = {"step": step, "epoch": round(order.epoch + order.index / order.per_rank, 4),
                       "loss": mean_loss, "lr": engine.get_lr()[0],
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,

@@ -75,3 +75,43 @@ def shared_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("zero-recipes-cache")
     os.environ["ZERO_RECIPES_CACHE"] = str(cache)
     return cache
+
+
+CONFIGS = {
+    "zero0": ["ds_configs/zero0.json"],
+    "zero1": ["ds_configs/zero1.json"],
+    "zero2": ["ds_configs/zero2.json"],
+    "zero3": ["ds_configs/zero3.json"],
+    "zero2+offload_optimizer": ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"],
+    "zero3+offload_all": ["ds_configs/zero3.json", "ds_configs/offload_all.json"],
+    "zero3+nvme": ["ds_configs/zero3.json", "ds_configs/nvme.json"],
+}
+PRECISIONS = {"fp32": [], "bf16": ["ds_configs/bf16.json"]}
+
+# max |logits(reloaded HF model) - logits(engine)|: fp32 is exact up to kernel order; bf16 exports the
+# bf16 weights the engine computes with.
+EXPORT_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+
+
+def aio_available() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """Run each (config, precision) once per session; the parity tests reuse the runs."""
+    runs = {}
+
+    def get(name: str, precision: str):
+        if (name, precision) not in runs:
+            if name == "zero3+nvme" and not aio_available():
+                pytest.skip("NVMe offload needs libaio: apt-get install libaio-dev (not a pass: not run here)")
+            out = tmp_path_factory.mktemp(f"{name}-{precision}")
+            extra = ["--nvme_path", str(out / "nvme")] if "nvme" in name else []
+            runs[name, precision] = launch(FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision],
+                                                   "--verify_export", *extra], out / "run")
+        return runs[name, precision]
+
+    return get

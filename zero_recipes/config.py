@@ -129,7 +129,8 @@ class TrainConfig:
 
 
 # Fields that steer this launch only; they do not make a different run (see checkpoint.check_output_dir).
-RUN_CONTROL_FIELDS = {"resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
+# output_dir is among them so that a run directory can be moved or copied and still resume.
+RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
                       "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
                       "preprocessing_num_workers", "cache_dir", "max_eval_batches"}
 

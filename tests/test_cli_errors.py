@@ -1,0 +1,82 @@
+"""Bad input: exit non-zero with one line that names the problem and the fix, and no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def run_train(*args, cwd=REPO):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_missing_ds_config():
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero9.json", "--dry_run"))
+    assert "'ds_configs/zero9.json' not found" in line and "zero3.json" in line
+
+
+def test_malformed_ds_config_gives_line_and_column(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": "auto",\n  "zero_optimization": {"stage": 2,,}\n}\n')
+    line = one_error_line(run_train("--deepspeed", str(bad), "--dry_run"))
+    assert f"{bad}:3:" in line and "invalid JSON" in line
+
+
+def test_unknown_recipe_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rat: 1.0e-4\n")
+    line = one_error_line(run_train("--recipe", str(recipe), "--deepspeed", "ds_configs/zero2.json", "--dry_run"))
+    assert "unknown option 'learning_rat'" in line and "did you mean 'learning_rate'" in line
+
+
+def test_batch_arithmetic_that_does_not_add_up(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}')
+    line = one_error_line(run_train("--deepspeed", str(ds), "--per_device_train_batch_size", "4", "--dry_run"))
+    assert "train_batch_size=48" in line and "= 4" in line
+
+
+def test_fp16_and_bf16_both_on(tmp_path):
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--bf16", "--fp16", "--dry_run"))
+    assert "bf16 and fp16 are both on" in line
+    both = tmp_path / "both.json"
+    both.write_text('{"bf16": {"enabled": true}, "fp16": {"enabled": true}}')
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", str(both), "--dry_run"))
+    assert "bf16 and fp16 are both enabled" in line
+
+
+def test_block_size_above_max_positions():
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--block_size", "4096", "--dry_run"))
+    assert "block_size 4096 exceeds the model's max_position_embeddings 1024" in line
+
+
+def test_no_deepspeed_config():
+    line = one_error_line(run_train("--max_steps", "1"))
+    assert "--deepspeed ds_configs/zero3.json" in line
+
+
+def test_missing_dataset_file(tmp_path):
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--dataset_name",
+                                    str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")))
+    assert "does not exist" in line
+
+
+def test_output_dir_with_foreign_files_is_refused_and_kept(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.txt").write_text("precious")
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--output_dir", str(out)))
+    assert "holds no zero-recipes run" in line and "--overwrite_output_dir" in line
+    assert (out / "thesis.txt").read_text() == "precious"
