@@ -32,3 +32,25 @@ def test_zero3_export_holds_the_gathered_trained_weights(trained):
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert loss < torch.log(torch.tensor(float(model.config.vocab_size))).item() - 0.5
+
+
+def test_pretrained_weights_load_straight_into_zero3_partitions(trained, tmp_path):
+    pretrained = trained("zero3", "fp32").check().output_dir  # an exported model is a pretrained model
+    args = FAST + ["--max_steps", "2", "--model_name_or_path", str(pretrained)]
+    z3 = launch(args + ["--deepspeed", "ds_configs/zero3.json"], tmp_path / "z3").check()
+    z0 = launch(args + ["--deepspeed", "ds_configs/zero0.json"], tmp_path / "z0").check()
+    held, total = (int(x) for x in z3.log.split("rank 0 holds ")[1].split(" parameters")[0].split(" of "))
+    assert held <= total // 2 + 1000  # rank 0 never held the full model, only its partition
+    assert abs(z3.losses[0] - z0.losses[0]) < 1e-5
+    from_scratch = trained("zero0", "fp32").losses[0]
+    assert z3.losses[0] < from_scratch - 0.5  # the trained weights arrived, not a fresh init
+
+
+def test_other_architecture_from_inline_model_config(tmp_path):
+    gpt2 = '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}'
+    run = launch(FAST + ["--model_config", gpt2, "--deepspeed", "ds_configs/zero3.json"], tmp_path / "gpt2").check()
+    assert run.losses[-1] < run.losses[0] - 0.5
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 2
