@@ -54,3 +54,10 @@ def test_other_architecture_from_inline_model_config(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(run.output_dir)
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 2
+
+
+def test_plain_python_is_a_world_of_one(tmp_path):
+    run = launch(FAST + ["--max_steps", "3", "--deepspeed", "ds_configs/zero2.json"], tmp_path / "one",
+                 launcher="python").check()
+    assert "distributed: 1 rank(s)" in run.log and len(run.losses) == 3
+    assert (run.output_dir / "model.safetensors").exists()
