@@ -61,3 +61,36 @@ def test_plain_python_is_a_world_of_one(tmp_path):
                  launcher="python").check()
     assert "distributed: 1 rank(s)" in run.log and len(run.losses) == 3
     assert (run.output_dir / "model.safetensors").exists()
+
+
+HF_TRAINER_ZERO2 = {
+    # The shape of the HF Trainer docs' ZeRO-2 example, unchanged: DeepSpeed builds optimizer and scheduler.
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "allgather_partitions": True,
+                          "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": "auto", "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_hf_trainer_config_works_unchanged(tmp_path):
+    import json
+
+    path = tmp_path / "hf_zero2.json"
+    path.write_text(json.dumps(HF_TRAINER_ZERO2))
+    run = launch(FAST + ["--deepspeed", str(path), "--gradient_accumulation_steps", "2"], tmp_path / "hf").check()
+    resolved = json.loads((run.output_dir / "ds_config.json").read_text())
+    assert resolved["train_batch_size"] == 4 * 2 * 2
+    assert resolved["optimizer"]["params"]["lr"] == 3e-3
+    assert resolved["scheduler"]["params"]["total_num_steps"] == 8
+    assert resolved["scheduler"]["params"]["warmup_num_steps"] == 1
+    assert run.losses[-1] < run.losses[0] - 0.5
+    lrs = [r["lr"] for r in run.records if "loss" in r]
+    # DeepSpeed's own WarmupDecayLR ran with our numbers: it peaks at learning_rate and decays to ~0 by step 8
+    assert max(lrs) == 3e-3 and lrs[-1] <= 3e-3 / 4 and lrs == lrs[:2] + sorted(lrs[2:], reverse=True)
