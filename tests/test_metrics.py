@@ -41,5 +41,5 @@ def test_peak_table_uses_dense_figures():
 
 def test_mfu_arithmetic_and_cpu_peak_is_measured():
     assert metrics.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
-    peak = metrics.measure_cpu_matmul_peak("fp32", seconds=0.1)
+    peak = metrics.measure_matmul_peak("fp32", seconds=0.1)
     assert 1e8 < peak < 1e13  # a real measured rate, not a table value

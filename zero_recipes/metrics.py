@@ -66,19 +66,25 @@ def num_params(model) -> int:
     return total
 
 
-def measure_cpu_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5) -> float:
-    """The CPU has no datasheet peak we can trust per rank, so measure it: large square matmuls with
-    this process's threads. Every rank measures at the same time, so contention is included."""
+def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: str = "cpu") -> float:
+    """Measured matmul FLOP/s, for devices with no trustworthy datasheet figure: every CPU (per rank,
+    with this process's threads; all ranks measure at once, so contention is included) and GPUs missing
+    from PEAK_FLOPS."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float32}[dtype_name]
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16 if device != "cpu" else torch.float32}[dtype_name]
+    n = 1024 if device == "cpu" else 8192
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     torch.mm(a, b)
+    sync()
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         torch.mm(a, b)
         iters += 1
+        if iters % 8 == 0:
+            sync()
+    sync()
     return 2 * n**3 * iters / (time.perf_counter() - start)
 
 
@@ -91,7 +97,8 @@ def device_peak_flops(dtype_name: str) -> tuple[float, str]:
         peak = peak_flops_from_table(name, dtype_name)
         if peak:
             return peak, f"{name} datasheet dense {dtype_name}"
-    peak = measure_cpu_matmul_peak(dtype_name)
+        return measure_matmul_peak(dtype_name, device="cuda"), f"{name} not in the peak table: measured {dtype_name} matmul"
+    peak = measure_matmul_peak(dtype_name)
     return peak, f"measured {dtype_name} matmul, {torch.get_num_threads()} threads"
 
 
