@@ -30,6 +30,7 @@ def free_port() -> int:
 class Run:
     proc: subprocess.CompletedProcess
     output_dir: Path
+    port: str = ""
 
     @property
     def records(self) -> list[dict]:
@@ -46,6 +47,9 @@ class Run:
 
     def check(self) -> "Run":
         assert self.proc.returncode == 0, f"train.py failed ({self.proc.returncode}):\n{self.log[-6000:]}"
+        # DeepSpeed's CPU shm all-reduce leaves a 69 MB /dev/shm segment per rank unless train.py removes it
+        leaked = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.port}_*")) if self.port else []
+        assert not leaked, f"shared-memory segments left behind: {leaked}"
         return self
 
 
@@ -66,7 +70,7 @@ def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "d
     full_env.update(env or {})
     proc = subprocess.run(cmd + list(args) + ["--output_dir", str(output_dir)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
-    return Run(proc, Path(output_dir))
+    return Run(proc, Path(output_dir), port if launcher != "python" else "")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -70,6 +70,20 @@ def quiet_deepspeed() -> None:
         logger.setLevel(logging.WARNING)
 
 
+def remove_shm_segment() -> None:
+    """DeepSpeed's CPU shm all-reduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (69 MB a rank) and never unlinks it (its shared_close is never called, DeepSpeed 0.19.8). Launches on
+    fresh ports filled /dev/shm until the OOM killer took a rank (measured here). Every rank has mapped
+    its peers' segments at init, so removing our own name at exit is safe."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{os.environ.get('RANK', 0)}"
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
 def finish(code: int = 0) -> None:
     """Exit without running C++ static destructors. Leaving with live gloo/shm threads aborts with
     "terminate called without an active exception", even after destroy_process_group (about 1 run in 90,
@@ -83,6 +97,7 @@ def finish(code: int = 0) -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+    remove_shm_segment()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
