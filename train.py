@@ -100,6 +100,9 @@ def main(argv: list[str]) -> int:
     load_dtype = torch.bfloat16 if (dtype_name == "bf16" and cfg.model_name_or_path) else torch.float32
     model = modeling.build_model(cfg, model_config, load_dtype, rank)
     n_params = metrics.num_params(model)
+    if zero3:
+        log(f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
+            "parameters")
     flops_per_token = metrics.model_flops_per_token(model_config, cfg.block_size)
     log(f"model: {model_config.model_type}, {n_params / 1e6:.2f}M parameters, ZeRO stage "
         f"{ds_config.zero_stage(ds)}, {dtype_name}, attention {cfg.attn_implementation}")
@@ -130,7 +133,9 @@ def main(argv: list[str]) -> int:
     first_loss = last_loss = None
     start_step, run_start = step, time.perf_counter()
     engine.train()
-    own_grad_norm = None  # set when DeepSpeed keeps no grad norm (ZeRO-0 in fp32 has no optimizer wrapper)
+    # ZeRO-0 in fp32 runs without a DeepSpeed optimizer wrapper, which is what records the grad norm
+    measure_grad_norm = ds_config.zero_stage(ds) == 0 and dtype_name == "fp32"
+    own_grad_norm = None
     while step < total_steps:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total_steps
         for micro in range(cfg.gradient_accumulation_steps):
@@ -139,8 +144,7 @@ def main(argv: list[str]) -> int:
             data_wait += time.perf_counter() - t
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
-            if logging_step and micro == cfg.gradient_accumulation_steps - 1 and ds_config.zero_stage(ds) == 0 \
-                    and dtype_name == "fp32":
+            if measure_grad_norm and logging_step and micro == cfg.gradient_accumulation_steps - 1:
                 own_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
                                                                if p.grad is not None])
             engine.step()

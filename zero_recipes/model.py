@@ -81,7 +81,6 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
     under ZeRO-3 transformers builds inside `zero.Init` and each rank only ever holds its partition."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import is_deepspeed_zero3_enabled
 
     cls = causal_lm_class(config)
     if cfg.model_name_or_path and cfg.model_config is None:
@@ -95,10 +94,6 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code) \
             if cls is AutoModelForCausalLM else cls._from_config(config, dtype=dtype)
         seeded_reinit(model, cfg.seed, rank)
-    if is_deepspeed_zero3_enabled():
-        held = sum(p.ds_tensor.numel() for p in model.parameters() if hasattr(p, "ds_tensor"))
-        total = sum(p.ds_numel for p in model.parameters() if hasattr(p, "ds_numel"))
-        print(f"model: built under zero.Init; rank {rank} holds {held} of {total} parameters") if rank == 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -139,6 +134,12 @@ def seeded_reinit(model, seed: int, rank: int) -> None:
                     owner._init_weights(module)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def partition_numel(model) -> int:
+    """Parameters this rank holds: its ZeRO-3 partitions (ds_tensor), or everything when not partitioned."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+               for p in {id(p): p for p in model.parameters()}.values())
 
 
 def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
