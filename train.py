@@ -32,12 +32,16 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401
 
+import psutil
+
+PROCESS_START = psutil.Process().create_time()  # time to first step counts the imports too
+
 from zero_recipes import checkpoint, data, distributed, ds_config, metrics, model as modeling
 from zero_recipes.engine import make_engine
 
 # DeepSpeed still calls the c10d collectives torch renamed; the warning is theirs, repeated every step.
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
-from zero_recipes.config import BUILTIN_DATASET, ConfigError, help_text, parse_args, run_signature
+from zero_recipes.config import ConfigError, help_text, parse_args, run_signature
 
 
 def main(argv: list[str]) -> int:
@@ -54,8 +58,9 @@ def main(argv: list[str]) -> int:
                                   total_steps=cfg.max_steps if cfg.max_steps > 0 else None)
     if cfg.dry_run:
         return dry_run(cfg, ds, notes, model_config, world, log)
-    if cfg.dataset_name != BUILTIN_DATASET:
-        data.dataset_source(cfg)  # a missing file fails here, before any process group exists
+    for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
+        if not spec.name.startswith("builtin:"):
+            data.describe(spec, cfg)
     output_dir = Path(cfg.output_dir)
     resume = checkpoint.check_output_dir(output_dir, run_signature(cfg, raw_ds), cfg.overwrite_output_dir,
                                          cfg.resume_from_checkpoint)
@@ -75,8 +80,12 @@ def main(argv: list[str]) -> int:
 
     # ---- tokenizer and data: rank 0 builds the caches while the others wait, then everyone reads them ---
     tokenizer = rank0_first(rank, lambda: data.load_tokenizer(cfg))
-    train_blocks, eval_blocks = rank0_first(rank, lambda: data.prepare_blocks(cfg, tokenizer, log))
-    order = data.BatchOrder(train_blocks, cfg.per_device_train_batch_size, rank, world, cfg.seed)
+    if cfg.streaming:
+        prepared = data.prepare_stream(cfg, tokenizer, rank, world, log)
+        order = prepared.train
+    else:
+        prepared = rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
+        order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, rank, world, cfg.seed, prepared.pad_id)
     steps_per_epoch = order.per_rank // cfg.gradient_accumulation_steps
     total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
 
@@ -112,10 +121,10 @@ def main(argv: list[str]) -> int:
     step = 0
     where = checkpoint.resolve_resume(output_dir, resume)
     if where is not None:
-        state = checkpoint.load(engine, where, rank)
+        state, rank_state = checkpoint.load(engine, where, rank)
         step = int(state.get("step", engine.global_steps))
-        if "data" in state:
-            order.load_state_dict(state["data"])
+        if "data" in rank_state:
+            order.load_state_dict(rank_state["data"])
         log(f"resume: loaded {where[0] / where[1]} at step {step}")
     elif resume is not None:
         log(f"resume: no checkpoint in {output_dir}, starting from scratch")
@@ -131,6 +140,10 @@ def main(argv: list[str]) -> int:
     loss_sum = torch.zeros((), device=device)
     window_steps, window_start, data_wait = 0, time.perf_counter(), 0.0
     first_loss = last_loss = None
+    # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its micro-
+    # batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
+    count_label_tokens = prepared.sft
+    time_to_first_step = None
     start_step, run_start = step, time.perf_counter()
     engine.train()
     # ZeRO-0 in fp32 runs without a DeepSpeed optimizer wrapper, which is what records the grad norm
@@ -138,11 +151,18 @@ def main(argv: list[str]) -> int:
     own_grad_norm = None
     while step < total_steps:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total_steps
-        for micro in range(cfg.gradient_accumulation_steps):
-            t = time.perf_counter()
-            batch = order.next_batch().to(device, non_blocking=True)
-            data_wait += time.perf_counter() - t
-            loss = engine(input_ids=batch, labels=batch).loss
+        t = time.perf_counter()
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in order.next_batch().items()}
+                         for _ in range(cfg.gradient_accumulation_steps)]
+        data_wait += time.perf_counter() - t
+        extra = {}
+        if count_label_tokens:
+            n_items = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).float()
+            torch.distributed.all_reduce(n_items)
+            # DeepSpeed divides by the accumulation steps and averages over ranks; undo both here
+            extra["num_items_in_batch"] = n_items.clamp(min=1) / (cfg.gradient_accumulation_steps * world)
+        for micro, batch in enumerate(micro_batches):
+            loss = engine(**batch, **extra).loss
             engine.backward(loss)
             if measure_grad_norm and logging_step and micro == cfg.gradient_accumulation_steps - 1:
                 own_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
@@ -151,6 +171,8 @@ def main(argv: list[str]) -> int:
             loss_sum += loss.detach()
         step += 1
         window_steps += 1
+        if time_to_first_step is None:
+            time_to_first_step = time.time() - PROCESS_START
         bar.update(1)
         if step % cfg.logging_steps == 0 or step == total_steps:
             # the only host sync of the loop: one all-reduce and .item() per logging window
@@ -163,12 +185,14 @@ def main(argv: list[str]) -> int:
             tps = tokens_per_step_rank * window_steps / elapsed
             grad_norm = engine.get_global_grad_norm()
             grad_norm = own_grad_norm if grad_norm is None else grad_norm
-            record = {"step": step, "epoch": round(order.epoch + order.index / order.per_rank, 4),
+            record = {"step": step, "epoch": round(order.epoch_progress, 4),
                       "loss": mean_loss, "lr": engine.get_lr()[0],
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
                       "tokens_per_sec": tps * world, "tokens_per_sec_per_device": tps,
                       "mfu": metrics.mfu(tps, flops_per_token, peak), "data_wait_frac": data_wait / elapsed,
                       **metrics.memory_stats()}
+            if step - window_steps == start_step:  # the first record of this launch
+                record["time_to_first_step"] = time_to_first_step
             mlog.write(record)
             bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps * world:.0f}")
             first_loss = mean_loss if first_loss is None else first_loss
@@ -176,15 +200,16 @@ def main(argv: list[str]) -> int:
             loss_sum.zero_()
             window_steps, window_start, data_wait = 0, time.perf_counter(), 0.0
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps:
-            ev = evaluate(engine, eval_blocks, cfg, rank, world, device)
+            ev = evaluate(engine, prepared, cfg, rank, world, device)
             if ev:
                 mlog.write({"step": step, **ev})
-                log(f"eval: step {step} loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}")
+                em = f" exact match {ev['eval_exact_match']:.1%}" if "eval_exact_match" in ev else ""
+                log(f"eval: step {step} loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}{em}")
             engine.train()
             window_start = time.perf_counter()  # eval time is not training throughput
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
-            path = checkpoint.save(engine, output_dir, step, {"step": step, "data": order.state_dict()}, rank,
-                                   cfg.save_total_limit)
+            path = checkpoint.save(engine, output_dir, step, {"step": step}, rank, cfg.save_total_limit,
+                                   rank_state={"data": order.state_dict()})
             window_start = time.perf_counter()
             bar.write(f"checkpoint: {path}") if rank == 0 else None
     bar.close()
@@ -198,8 +223,8 @@ def main(argv: list[str]) -> int:
     modeling.export_hf_model(engine, tokenizer, output_dir, zero3, rank)
     log(f"export: AutoModelForCausalLM.from_pretrained('{output_dir}') loads the trained model")
     if cfg.verify_export:
-        probe_src = eval_blocks if len(eval_blocks) else train_blocks
-        probe = torch.as_tensor(probe_src[:1, : min(64, cfg.block_size)], dtype=torch.long, device=device)
+        rows = prepared.eval if prepared.eval is not None and len(prepared.eval) else prepared.probe_rows
+        probe = data.collate([rows.row(0)], prepared.pad_id)["input_ids"][:, :64].to(device)
         out_dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16 if dtype_name == "fp16" else torch.float32
         diff = modeling.verify_export(engine, output_dir, probe, rank, out_dtype)
         if rank == 0:
@@ -228,22 +253,37 @@ def rank0_first(rank: int, fn):
     return result
 
 
-def evaluate(engine, blocks, cfg, rank, world, device) -> dict:
+def evaluate(engine, prepared, cfg, rank, world, device) -> dict:
+    """Token-weighted eval loss over the label tokens, and for SFT the exact-match accuracy: the share
+    of eval examples whose every answer token is the model's argmax. Teacher-forced argmax on every
+    answer token is exactly what greedy decoding would produce, so this is greedy exact match at the
+    cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs)."""
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, token count
+    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
     with torch.no_grad():
-        for batch, weight in data.eval_batches(blocks, cfg.per_device_eval_batch_size, rank, world,
-                                               cfg.max_eval_batches):
-            batch, weight = batch.to(device), weight.to(device)
-            logits = engine(input_ids=batch).logits[:, :-1].float()
-            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        for batch, weight in data.eval_batches(prepared.eval, cfg.per_device_eval_batch_size, rank, world,
+                                               cfg.max_eval_batches, prepared.pad_id):
+            batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
+            target = batch.pop("labels")[:, 1:]
+            logits = engine(**batch).logits[:, :-1].float()
+            valid = target != -100
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none",
+                                                       ignore_index=-100)
             total[0] += (losses.sum(dim=1) * weight).sum()
-            total[1] += weight.sum() * (batch.shape[1] - 1)
+            total[1] += (valid.sum(dim=1) * weight).sum()
+            if prepared.exact_match:
+                has_answer = valid.any(dim=1)
+                right = ((logits.argmax(-1) == target) | ~valid).all(dim=1) & has_answer
+                total[2] += (right * weight).sum()
+                total[3] += (has_answer * weight).sum()
     torch.distributed.all_reduce(total)
     if total[1].item() == 0:
         return {}
     loss = (total[0] / total[1]).item()
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
+    if prepared.exact_match and total[3].item() > 0:
+        out["eval_exact_match"] = (total[2] / total[3]).item()
+    return out
 
 
 def progress_bar(rank: int, total: int, initial: int):

@@ -1,9 +1,11 @@
-"""Data: every local format gives the same blocks; the stream is concatenated, not cut per document;
-the batch order is seeded, sharded and resumable."""
+"""Data sources and formats: every local format and source kind, SFT masking, cleaning and mixtures,
+each on files the test writes."""
 
 import json
 
+import datasets
 import numpy as np
+import pandas as pd
 import pytest
 
 from zero_recipes import data
@@ -12,13 +14,35 @@ from zero_recipes.config import ConfigError, TrainConfig
 TEXTS = [f"Document number {i} says: " + " ".join(f"word{j}" for j in range(i % 13 + 3)) for i in range(60)]
 
 
-def write_all_formats(tmp_path):
-    import datasets
-    import pandas as pd
+def quiet(*_):
+    pass
 
-    files = {}
-    files["jsonl"] = tmp_path / "c.jsonl"
-    files["jsonl"].write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+
+@pytest.fixture(scope="module")
+def tok():
+    return data.load_tokenizer(TrainConfig())
+
+
+def prep(tmp_path, tok, log=quiet, **kw):
+    kw.setdefault("cache_dir", str(tmp_path / "cache"))
+    return data.prepare(TrainConfig(**kw), tok, log)
+
+
+def rows_of(samples):
+    return [np.concatenate([t for t, _ in samples.row(i)]).tolist() for i in range(len(samples))]
+
+
+def labels_text(tok, batch_row_ids, batch_row_labels):
+    return tok.decode([t for t, l in zip(batch_row_ids, batch_row_labels) if l != -100])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_local_format_and_source_kind_gives_the_same_rows(tmp_path, tok):
+    files = {"jsonl": write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])}
     files["json"] = tmp_path / "c.json"
     files["json"].write_text(json.dumps([{"text": t} for t in TEXTS]))
     files["csv"] = tmp_path / "c.csv"
@@ -29,65 +53,141 @@ def write_all_formats(tmp_path):
     files["txt"].write_text("\n".join(TEXTS) + "\n")
     files["saved"] = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(files["saved"]))
-    return files
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return data.load_tokenizer(TrainConfig())
-
-
-def test_every_local_format_gives_the_same_blocks(tmp_path, tokenizer):
-    blocks = {}
-    for kind, path in write_all_formats(tmp_path).items():
-        cfg = TrainConfig(dataset_name=str(path), block_size=16, validation_split_percentage=10,
-                          cache_dir=str(tmp_path / "cache"))
-        train, evald = data.prepare_blocks(cfg, tokenizer, log=lambda *_: None)
-        blocks[kind] = (np.asarray(train), np.asarray(evald))
-    ref = blocks["jsonl"]
-    for kind, (train, evald) in blocks.items():
-        assert np.array_equal(train, ref[0]) and np.array_equal(evald, ref[1]), kind
-    # the whole stream is kept: only the final partial block is dropped
-    n_tokens = sum(len(tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in TEXTS)
+    # a directory laid out like a hub dataset repo: load_dataset(id, config, split=...) reads it exactly
+    # as it reads a hub id, so this exercises the hub path offline
+    repo = tmp_path / "hub-repo"
+    (repo / "data").mkdir(parents=True)
+    pd.DataFrame({"text": TEXTS}).to_parquet(repo / "data" / "main.parquet")
+    pd.DataFrame({"text": ["unused"] * 5}).to_parquet(repo / "data" / "other.parquet")
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: data/main.parquet\n"
+                                    "- config_name: other\n  data_files:\n  - split: train\n    path: data/other.parquet\n---\n")
+    results = {}
+    for kind, path in files.items():
+        p = prep(tmp_path, tok, dataset_name=str(path), block_size=16, validation_split_percentage=10)
+        results[kind] = (rows_of(p.train), rows_of(p.eval))
+    p = prep(tmp_path, tok, dataset_name=str(repo), dataset_config_name="main", block_size=16, validation_split_percentage=10)
+    results["hub layout, config main"] = (rows_of(p.train), rows_of(p.eval))
+    ref = results["jsonl"]
+    for kind, got in results.items():
+        assert got == ref, kind
+    # the whole stream is kept: only the final partial block is dropped, and EOS separates documents
+    n_tokens = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in TEXTS)
     assert (len(ref[0]) + len(ref[1])) * 16 > n_tokens - 2 * 16
-    assert (ref[0] == tokenizer.eos_token_id).sum() > 0  # documents are separated by EOS
+    assert sum(r.count(tok.eos_token_id) for r in ref[0]) > 0
 
 
-def test_second_prepare_reads_the_cache(tmp_path, tokenizer):
-    path = write_all_formats(tmp_path)["jsonl"]
-    cfg = TrainConfig(dataset_name=str(path), block_size=16, cache_dir=str(tmp_path / "cache"))
+def test_second_prepare_reads_the_cache(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])
     logs = []
-    first = data.prepare_blocks(cfg, tokenizer, log=logs.append)
-    second = data.prepare_blocks(cfg, tokenizer, log=logs.append)
-    assert "tokenisation skipped" not in logs[0] and "tokenisation skipped" in logs[1]
-    assert np.array_equal(first[0], second[0])
+    first = prep(tmp_path, tok, logs.append, dataset_name=str(path), block_size=16)
+    n = len(logs)
+    second = prep(tmp_path, tok, logs.append, dataset_name=str(path), block_size=16)
+    assert not any("tokenisation skipped" in m for m in logs[:n])
+    assert any("tokenisation skipped" in m for m in logs[n:])
+    assert rows_of(first.train) == rows_of(second.train)
 
 
-def test_missing_column_and_unknown_extension(tmp_path, tokenizer):
-    path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps({"body": "x"}) + "\n")
-    cfg = TrainConfig(dataset_name=str(path), cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ConfigError, match="no column 'text' \\(columns: body\\); pass --text_column"):
-        data.prepare_blocks(cfg, tokenizer, log=print)
-    odd = tmp_path / "c.xml"
-    odd.write_text("<a/>")
-    with pytest.raises(ConfigError, match="unsupported extension"):
-        data.dataset_source(TrainConfig(dataset_name=str(odd)))
+def test_format_detection_says_what_it_found(tmp_path, tok):
+    cases = {"messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+             "prompt_completion": {"prompt": "2+2=", "completion": " 4"},
+             "alpaca": {"instruction": "Add", "input": "2 and 2", "output": "4"},
+             "text": {"text": "plain"}}
+    for fmt, row in cases.items():
+        logs = []
+        p = prep(tmp_path, tok, logs.append, dataset_name=str(write_jsonl(tmp_path / f"{fmt}.jsonl", [row] * 4)),
+                 block_size=8 if fmt == "text" else 256, validation_split_percentage=0)
+        assert p.formats == [fmt]
+        assert any(f"detected format '{fmt}'" in m for m in logs), logs
 
 
-def test_batch_order_is_sharded_seeded_and_resumes_by_seeking():
-    blocks = np.arange(40 * 4).reshape(40, 4)
-    ranks = [data.BatchOrder(blocks, 2, r, 2, seed=7) for r in range(2)]
-    seen = [[ranks[r].next_batch()[:, 0].tolist() for _ in range(10)] for r in range(2)]
-    flat = [x for r in seen for b in r for x in b]
-    assert sorted(flat) == list(range(0, 160, 4))  # one epoch: every block once, no overlap between ranks
-    again = data.BatchOrder(blocks, 2, 0, 2, seed=7)
-    assert [again.next_batch()[:, 0].tolist() for _ in range(10)] == seen[0]
-    # resume mid-epoch 2 from a saved position: the same batches follow
-    a = data.BatchOrder(blocks, 2, 1, 2, seed=7)
-    for _ in range(13):
-        a.next_batch()
-    b = data.BatchOrder(blocks, 2, 1, 2, seed=7)
-    b.load_state_dict(a.state_dict())
-    assert all(np.array_equal(a.next_batch(), b.next_batch()) for _ in range(12))
-    assert data.BatchOrder(blocks, 2, 0, 2, seed=8)._epoch_order().tolist() != ranks[0]._epoch_order().tolist()
+def batch_of(p, i=0):
+    return data.collate([p.train.row(i)], p.pad_id)
+
+
+def test_prompt_completion_and_alpaca_train_only_on_the_answer(tmp_path, tok):
+    p = prep(tmp_path, tok, dataset_name=str(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Question: two plus two?",
+                                                                                    "completion": " Answer: four"}])),
+             validation_split_percentage=0, packing=False)
+    b = batch_of(p)
+    assert labels_text(tok, b["input_ids"][0].tolist(), b["labels"][0].tolist()) == " Answer: four<|endoftext|>"
+    assert tok.decode(b["input_ids"][0]) == "Question: two plus two? Answer: four<|endoftext|>"
+    rows = [{"instruction": "Name a colour.", "input": "", "output": "Blue."},
+            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}]
+    p = prep(tmp_path, tok, dataset_name=str(write_jsonl(tmp_path / "al.jsonl", rows)), validation_split_percentage=0,
+             packing=False)
+    texts = {tok.decode(batch_of(p, i)["input_ids"][0]): batch_of(p, i) for i in range(2)}
+    with_input = next(b for t, b in texts.items() if "### Input:\n2 and 3" in t)
+    assert labels_text(tok, with_input["input_ids"][0].tolist(), with_input["labels"][0].tolist()) == "5<|endoftext|>"
+    assert any("### Input" not in t and "Blue." in t for t in texts)
+    # train_on_prompt: every token but the first (which nothing precedes) is a label
+    p = prep(tmp_path, tok, dataset_name=str(tmp_path / "pc.jsonl"), validation_split_percentage=0, packing=False,
+             train_on_prompt=True)
+    b = batch_of(p)
+    assert (b["labels"][0, 1:] == b["input_ids"][0, 1:]).all() and b["labels"][0, 0] == -100
+
+
+def test_multi_turn_chat_trains_every_assistant_turn_and_nothing_else(tmp_path, tok):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say A."},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "Say B."},
+            {"role": "assistant", "content": "B"}]
+    logs = []
+    tok = data.load_tokenizer(TrainConfig())  # fresh: earlier tests gave the shared one the default template
+    p = prep(tmp_path, tok, logs.append, dataset_name=str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": conv}])),
+             validation_split_percentage=0, packing=False)
+    assert any("default ChatML-style template" in m for m in logs)
+    b = batch_of(p)
+    ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
+    assert tok.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay A.")
+    assert labels_text(tok, ids, labels) == "A<|im_end|>\nB<|im_end|>\n<|endoftext|>"
+    # a tokenizer with its own template is used as it is
+    tok2 = data.load_tokenizer(TrainConfig())
+    tok2.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
+                         "{% if add_generation_prompt %}[assistant] {% endif %}"
+    p = data.prepare(TrainConfig(dataset_name=str(tmp_path / "chat.jsonl"), validation_split_percentage=0,
+                                 packing=False, cache_dir=str(tmp_path / "cache")), tok2, quiet)
+    b = batch_of(p)
+    ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
+    # byte-level BPE merges the template's space into the answer's first token; a token that overlaps
+    # the answer is trained, since predicting it means predicting the answer
+    assert labels_text(tok2, ids, labels) == " A\n B\n<|endoftext|>"
+
+
+def test_cleaning_steps_report_what_they_removed(tmp_path, tok):
+    docs = ["<p>Hello <b>world</b> &amp; friends</p>", "spaced    out\n\n\n\ntext  ", "dup text here", "dup text here",
+            "x", "A normal document with enough words in it."]
+    path = write_jsonl(tmp_path / "noisy.jsonl", [{"text": t} for t in docs])
+    logs = []
+    p = prep(tmp_path, tok, logs.append, dataset_name=str(path), block_size=4, validation_split_percentage=0,
+             strip_html=True, normalize_whitespace=True, dedupe=True, min_document_tokens=2)
+    line = next(m for m in logs if "documents" in m and "cached at" in m)
+    assert "6 documents" in line
+    assert "cleaning html: -" in line and "cleaning whitespace: -" in line
+    assert "shorter than 2 tokens: -1 documents" in line
+    assert "exact duplicates: -1 documents" in line
+    stream = tok.decode(np.concatenate([t for i in range(len(p.train)) for t, _ in p.train.row(i)]))
+    assert "<b>" not in stream and "Hello world & friends" in stream and "    " not in stream
+
+
+def test_mixture_draws_each_dataset_by_weight(tmp_path, tok):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}?", "completion": " yes"} for i in range(90)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b document {i} " * 5} for i in range(30)])
+    mix = json.dumps([{"name": str(a), "weight": 0.25}, {"name": str(b), "weight": 0.75}])
+    p = prep(tmp_path, tok, dataset_mixture=mix, block_size=8, validation_split_percentage=0, packing=False)
+    shares = np.bincount(p.train.refs[:, 0]) / len(p.train)
+    assert abs(shares[0] - 0.25) < 0.01 and abs(shares[1] - 0.75) < 0.01
+    assert p.formats == ["prompt_completion", "text"]
+    # a batch mixing SFT rows and text windows: padding of short rows is masked out
+    batch = data.collate([p.train.row(int(i)) for i in np.flatnonzero(p.train.refs[:, 0] == 0)[:2]] +
+                         [p.train.row(int(np.flatnonzero(p.train.refs[:, 0] == 1)[0]))], p.pad_id)
+    assert "attention_mask" in batch and batch["attention_mask"][2].all()
+
+
+def test_eval_comes_from_its_own_split(tmp_path, tok):
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS}),
+                          "validation": datasets.Dataset.from_dict({"text": TEXTS[:10]})}).save_to_disk(str(saved))
+    p = prep(tmp_path, tok, dataset_name=str(saved), eval_split="validation", block_size=8)
+    n_eval_tokens = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in TEXTS[:10])
+    assert len(p.eval) == n_eval_tokens // 8
+    n_train_tokens = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in TEXTS)
+    assert len(p.train) == n_train_tokens // 8  # nothing held out of train

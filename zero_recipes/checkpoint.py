@@ -120,15 +120,17 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, keep: int) -> Path:
+def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, keep: int,
+         rank_state: dict | None = None) -> Path:
     """Save a checkpoint; DeepSpeed writes `latest` only after every rank's files are written."""
     import torch
 
     d = checkpoints_dir(output_dir)
     tag = f"step-{step}"
     (d / tag).mkdir(parents=True, exist_ok=True)
-    # RNG per rank: DeepSpeed saves none, and dropout/sampling streams differ per rank.
-    torch.save(rng_state(), d / tag / f"rng_state_{rank}.pt")
+    # RNG and data position per rank: DeepSpeed saves none, dropout streams differ per rank, and a
+    # streamed dataset is read at a different place on each rank.
+    torch.save({**rng_state(), **(rank_state or {})}, d / tag / f"rng_state_{rank}.pt")
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state)
     torch.distributed.barrier()
     if rank == 0 and keep > 0:
@@ -138,7 +140,8 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     return d / tag
 
 
-def load(engine, where: tuple[Path, str], rank: int) -> dict:
+def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
+    """Returns (the client state rank 0 saved, this rank's own state)."""
     import torch
 
     load_dir, tag = where
@@ -147,7 +150,9 @@ def load(engine, where: tuple[Path, str], rank: int) -> dict:
     if path is None:
         raise ConfigError(f"could not load checkpoint {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_state_{rank}.pt"
+    own = {}
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return client_state or {}
+        own = torch.load(rng_file, weights_only=False)
+        set_rng_state(own)
+    return client_state or {}, own
 

@@ -22,6 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BUILTIN_DATASET = "builtin:python-docstrings"
 """The embedded corpus: docstrings of the running Python's standard library, present on any machine."""
+BUILTIN_INSTRUCTIONS = "builtin:tiny-instructions"
+"""The embedded instruction set: generated chat examples with checkable answers (recipes/tiny-sft.yaml)."""
+
+DATASET_FORMATS = ("auto", "text", "prompt_completion", "alpaca", "messages")
 
 
 class ConfigError(Exception):
@@ -50,22 +54,49 @@ class TrainConfig:
 
     # ---- data --------------------------------------------------------------------------------------
     dataset_name: str = BUILTIN_DATASET
-    """Hub dataset id, a local json/jsonl/csv/parquet/txt file, a directory saved by `datasets`, or the
-    embedded `builtin:python-docstrings`."""
+    """Hub dataset id, a local json/jsonl/csv/parquet/txt file, a directory saved by `datasets`, or an
+    embedded set: `builtin:python-docstrings` (text) or `builtin:tiny-instructions` (chat)."""
     dataset_config_name: Optional[str] = None
     """The hub dataset's configuration (its second argument to `load_dataset`)."""
     dataset_split: str = "train"
-    """Split to train on. A held-out fraction of it becomes the eval set."""
+    """Split to train on."""
+    eval_split: Optional[str] = None
+    """Split to evaluate on (e.g. `validation`). Unset: hold out `validation_split_percentage` of the
+    training split."""
+    dataset_mixture: Any = None
+    """Several datasets mixed by weight: a list of {name, weight, and optionally config, split, format,
+    text_column}, in a recipe, an inline JSON list or a JSON/YAML file. Weights must add up to 1. Each
+    weight is that dataset's share of the training samples; a small set is repeated to reach it."""
+    dataset_format: str = "auto"
+    """`text` (pretraining), `prompt_completion`, `alpaca` (instruction/input/output) or `messages` (chat).
+    `auto` detects it from the columns and says what it found."""
     text_column: str = "text"
-    """Column holding the raw text."""
+    """Column holding the raw text (`text` format)."""
+    streaming: bool = False
+    """Stream the dataset (`datasets` streaming) and tokenise on the fly instead of preparing it up front,
+    for corpora too big for the disk cache. Needs `max_steps`; order is the file order, sharded by rank."""
+    train_on_prompt: bool = False
+    """SFT formats: also train on prompt/user/system tokens. Off: labels are -100 there."""
+    packing: bool = True
+    """SFT formats: pack several whole examples into each block; position ids restart per example and
+    examples do not attend to each other. Off: one example per row, padded to the longest in the batch.
+    (`text` always concatenates the whole stream.)"""
     block_size: int = 256
-    """Tokens per training sequence. Documents are concatenated (EOS between them) and cut into blocks."""
+    """Tokens per training sequence. SFT examples longer than this are dropped, and counted in the log."""
     validation_split_percentage: float = 5.0
-    """Percent of documents held out for eval loss and perplexity."""
+    """Percent of documents held out for eval loss (and SFT exact-match) when `eval_split` is unset."""
+    strip_html: bool = False
+    """Cleaning (`text` format): remove HTML tags and decode entities."""
+    normalize_whitespace: bool = False
+    """Cleaning (`text` format): collapse runs of spaces/tabs and of blank lines, strip the ends."""
+    min_document_tokens: int = 0
+    """Cleaning: drop documents (or SFT examples) shorter than this many tokens; 1 drops empty ones."""
+    dedupe: bool = False
+    """Cleaning: drop exact duplicates (by hash of the text, or of the whole SFT example)."""
     preprocessing_num_workers: Optional[int] = None
     """Processes for tokenisation (`datasets.map(num_proc=...)`). Unset: one per core, at most 8."""
     cache_dir: Optional[str] = None
-    """Where the embedded corpus, tokenizer and tokenised blocks are cached. Unset:
+    """Where the embedded data, tokenizer and prepared token arrays are cached. Unset:
     `$ZERO_RECIPES_CACHE` or `~/.cache/zero-recipes`."""
 
     # ---- optimisation (HF TrainingArguments names) -------------------------------------------------
@@ -204,6 +235,12 @@ def unknown_key_error(key: str, where: str) -> ConfigError:
     return ConfigError(f"unknown option '{key}' in {where}{hint}")
 
 
+def unknown_choice_error(name: str, value: str, choices) -> ConfigError:
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"--{name} '{value}' is not one of {', '.join(choices)}{hint}")
+
+
 def load_recipe(path: str) -> dict:
     p = resolve_path(path)
     if not p.is_file():
@@ -294,33 +331,43 @@ def validate(cfg: TrainConfig) -> None:
                           "use cosine, linear, constant_with_warmup or constant")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
+    if cfg.dataset_format not in DATASET_FORMATS:
+        raise unknown_choice_error("dataset_format", cfg.dataset_format, DATASET_FORMATS)
+    if cfg.streaming and cfg.max_steps <= 0:
+        raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
+    if cfg.min_document_tokens < 0:
+        raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
         raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
 
 
-def parse_model_config(value: Any) -> Optional[dict]:
-    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
-    if value is None or isinstance(value, dict):
+def parse_inline_or_file(name: str, value: Any) -> Any:
+    """A structured option given as a recipe mapping/list, inline JSON, or a JSON/YAML file."""
+    if value is None or isinstance(value, (dict, list)):
         return value
     text = str(value).strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
-            data = json.loads(text)
+            return json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--model_config inline JSON is invalid at column {e.colno}: {e.msg}") from None
-    else:
-        p = resolve_path(text)
-        if not p.is_file():
-            raise ConfigError(f"--model_config '{text}' is neither an inline JSON object nor an existing file")
-        try:
-            data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
+            raise ConfigError(f"--{name} inline JSON is invalid at column {e.colno}: {e.msg}") from None
+    p = resolve_path(text)
+    if not p.is_file():
+        raise ConfigError(f"--{name} '{text}' is neither inline JSON nor an existing file")
+    try:
+        return json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+
+
+def parse_model_config(value: Any) -> Optional[dict]:
+    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
+    data = parse_inline_or_file("model_config", value)
+    if data is not None and not isinstance(data, dict):
         raise ConfigError(f"--model_config must be an object of HF config fields, got {type(data).__name__}")
     return data
 
@@ -329,6 +376,7 @@ def run_signature(cfg: TrainConfig, ds_config: dict) -> dict:
     """What makes two launches the same run: every field but the per-launch controls, plus DeepSpeed."""
     d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CONTROL_FIELDS}
     d["model_config"] = parse_model_config(cfg.model_config)
+    d["dataset_mixture"] = parse_inline_or_file("dataset_mixture", cfg.dataset_mixture)
     d["deepspeed"] = ds_config
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 

@@ -1,0 +1,72 @@
+"""Bad data gets one line naming the problem and the fix, and a non-zero exit with nothing written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zero_recipes import data
+from zero_recipes.config import ConfigError, TrainConfig
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return data.load_tokenizer(TrainConfig())
+
+
+def write(path, text):
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+def prepare(tmp_path, tok, **kw):
+    return data.prepare(TrainConfig(cache_dir=str(tmp_path / "cache"), validation_split_percentage=0, **kw), tok,
+                        lambda *_: None)
+
+
+def test_each_bad_input_names_the_problem(tmp_path, tok):
+    long_answer = " ".join(["word"] * 300)
+    cases = [
+        (dict(dataset_name=write(tmp_path / "cols.jsonl", '{"body": "x"}\n')),
+         r"has no column 'text' \(columns: body\).*--text_column"),
+        (dict(dataset_name=write(tmp_path / "pc.jsonl", '{"prompt": "x"}\n'), dataset_format="prompt_completion"),
+         r"has no column 'completion' needed by --dataset_format prompt_completion"),
+        (dict(dataset_name=write(tmp_path / "empty.jsonl", "")), r"empty"),
+        (dict(dataset_name=write(tmp_path / "short.jsonl", '{"text": "a"}\n{"text": "b"}\n'), min_document_tokens=5),
+         r"empty after filtering: 2 documents, shorter than 5 tokens: -2 documents"),
+        (dict(dataset_name=write(tmp_path / "long.jsonl", json.dumps({"prompt": "q", "completion": long_answer}) + "\n"),
+              block_size=64), r"all 1 examples are longer than block_size 64 tokens \(longest \d+\); raise --block_size"),
+        (dict(dataset_name=write(tmp_path / "latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n')),
+         r"latin1.jsonl:2: not UTF-8 .*re-encode"),
+        (dict(dataset_name=write(tmp_path / "bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c"\n')),
+         r"bad.jsonl:3:\d+: not valid JSON lines"),
+        (dict(dataset_name=write(tmp_path / "role.jsonl", json.dumps({"messages": [
+            {"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")),
+         r"example 1: unknown chat role 'human'; roles must be one of system, user, assistant, tool"),
+        (dict(dataset_mixture=[{"name": "builtin:tiny-instructions", "weight": 0.5},
+                               {"name": "builtin:python-docstrings", "weight": 0.4}]),
+         r"weights add up to 0.9, not 1"),
+        (dict(dataset_mixture=[{"name": "builtin:tiny-instructions", "wieght": 1.0}]),
+         r"must be a mapping with at least name and weight"),
+        (dict(dataset_name="builtin:nothing"), r"unknown embedded dataset"),
+    ]
+    for kwargs, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            prepare(tmp_path, tok, **kwargs)
+
+
+def test_bad_data_under_the_launcher_is_one_line_and_writes_nothing(tmp_path):
+    bad = write(tmp_path / "bad.jsonl", '{"text": "a"}\nnot json\n')
+    out = tmp_path / "run"
+    env_cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "train.py", "--deepspeed", "ds_configs/zero2.json", "--dataset_name", bad,
+                           "--output_dir", str(out), "--cache_dir", str(env_cache)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "bad.jsonl:2:1: not valid JSON lines" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (out / "run_config.json").exists() and not (out / "checkpoints").exists()

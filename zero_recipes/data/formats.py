@@ -1,0 +1,194 @@
+"""Turn one example of any supported format into token ids and a label mask.
+
+Formats: `text` (pretraining), `prompt_completion`, `alpaca` (instruction/input/output) and `messages`
+(chat with roles, through the tokenizer's chat template). SFT formats train only on the completion or
+the assistant turns unless `train_on_prompt`. The mask is computed on characters and mapped to tokens
+with the fast tokenizer's offsets, so the prompt/answer boundary is exact whatever the tokenizer merges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import re
+
+import numpy as np
+
+from ..config import ConfigError
+
+REQUIRED_COLUMNS = {"text": None, "prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "output"),
+                    "messages": ("messages",)}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# Used when the tokenizer has no chat template (the embedded one has none). ChatML layout, in plain text
+# so it needs no new special tokens; it is saved with the exported tokenizer, so generation uses it too.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# The Stanford Alpaca prompt, which alpaca-format datasets were written for.
+ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                     "context. Write a response that appropriately completes the request.\n\n"
+                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def detect_format(requested: str, columns: list[str], text_column: str, name: str) -> tuple[str, str]:
+    """Return (format, message). An explicit format is checked against the columns."""
+    if requested != "auto":
+        needed = REQUIRED_COLUMNS[requested] or (text_column,)
+        missing = [c for c in needed if c not in columns]
+        if missing:
+            flag = " (or pass --text_column NAME)" if requested == "text" else ""
+            raise ConfigError(f"dataset '{name}' has no column '{missing[0]}' needed by --dataset_format {requested} "
+                              f"(columns: {', '.join(columns)}){flag}")
+        return requested, f"format '{requested}' (as configured)"
+    for fmt in ("messages", "prompt_completion", "alpaca"):
+        if all(c in columns for c in REQUIRED_COLUMNS[fmt]):
+            return fmt, f"detected format '{fmt}' from columns {', '.join(columns)}; set --dataset_format to choose"
+    if text_column in columns:
+        return "text", f"detected format 'text' (column '{text_column}'); set --dataset_format to choose"
+    raise ConfigError(f"dataset '{name}' has no column '{text_column}' (columns: {', '.join(columns)}) and matches no "
+                      "SFT format (messages | prompt+completion | instruction+output); pass --text_column NAME or "
+                      "--dataset_format")
+
+
+def ensure_chat_template(tok, log) -> None:
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = DEFAULT_CHAT_TEMPLATE
+        log("data: the tokenizer has no chat template; using the default ChatML-style template (see README)")
+
+
+# ---- cleaning (text format) ------------------------------------------------------------------------
+
+_TAGS = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]+>", re.S | re.I)
+_SPACES = re.compile(r"[ \t\f\v\r]+")
+_BLANKS = re.compile(r"\n\s*\n+")
+
+
+def strip_html(text: str) -> str:
+    return html.unescape(_TAGS.sub(" ", text)) if "<" in text or "&" in text else text
+
+
+def normalize_whitespace(text: str) -> str:
+    return _BLANKS.sub("\n\n", _SPACES.sub(" ", text).replace(" \n", "\n").replace("\n ", "\n")).strip()
+
+
+def content_hash(value) -> int:
+    data = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") >> 1
+
+
+# ---- rendering SFT examples to text and trainable character spans --------------------------------------
+
+def render(fmt: str, row: dict, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
+    if fmt == "prompt_completion":
+        prompt, completion = _str(row["prompt"]), _str(row["completion"])
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+    if fmt == "alpaca":
+        extra = _str(row.get("input"))
+        prompt = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(
+            instruction=_str(row["instruction"]), input=extra)
+        output = _str(row["output"])
+        return prompt + output, [(len(prompt), len(prompt) + len(output))]
+    return render_chat(row["messages"], tok, index)
+
+
+def _str(value) -> str:
+    return "" if value is None else str(value)
+
+
+def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
+    """The chat template's text, and the character span of each assistant turn. The span is what the
+    template adds for that turn beyond the generation prompt, so it includes the end-of-turn marker the
+    model must learn to emit. Templates with `{% generation %}` are not needed for this."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"example {index}: 'messages' must be a non-empty list of {{role, content}}")
+    for m in messages:
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            raise ConfigError(f"example {index}: unknown chat role {role!r}; roles must be one of "
+                              f"{', '.join(CHAT_ROLES)} (map others, e.g. 'human' -> 'user', before training)")
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise ConfigError(f"example {index}: the tokenizer's chat template does not render a conversation as a "
+                              "growing prefix, so assistant turns cannot be located; use --train_on_prompt true or a "
+                              "template without history rewriting")
+        spans.append((len(before), len(upto)))
+    return text, spans
+
+
+def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters overlap a trainable span."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    if len(offsets) == 0:
+        return mask
+    start, end = offsets[:, 0], offsets[:, 1]
+    for s, e in spans:
+        mask |= ((end > s) & (start < e) & (end > start)).astype(np.uint8)
+    return mask
+
+
+class Tokenize:
+    """A picklable batched map function (for `num_proc`): rows -> input_ids (+ mask for SFT), plus the
+    per-example counts that the cleaning report needs."""
+
+    def __init__(self, tok, fmt: str, text_column: str, train_on_prompt: bool, strip: bool, normalize: bool,
+                 dedupe: bool):
+        self.tok, self.fmt, self.column = tok, fmt, text_column
+        self.train_on_prompt, self.strip, self.normalize, self.dedupe = train_on_prompt, strip, normalize, dedupe
+
+    def _ids(self, texts, **kw):
+        return self.tok(texts, add_special_tokens=False, **kw)
+
+    def __call__(self, batch, indices):
+        eos = self.tok.eos_token_id
+        out = {}
+        if self.fmt == "text":
+            texts = [_str(t) for t in batch[self.column]]
+            for step, fn in (("html", strip_html if self.strip else None),
+                             ("whitespace", normalize_whitespace if self.normalize else None)):
+                if fn is None:
+                    continue
+                cleaned = [fn(t) for t in texts]
+                changed = [i for i, (a, b) in enumerate(zip(texts, cleaned)) if a != b]
+                removed = [0] * len(texts)
+                if changed:
+                    before = self._ids([texts[i] for i in changed])["input_ids"]
+                    after = self._ids([cleaned[i] for i in changed])["input_ids"]
+                    for i, a, b in zip(changed, before, after):
+                        removed[i] = len(a) - len(b)
+                out[f"removed_{step}"] = removed
+                texts = cleaned
+            ids = self._ids(texts)["input_ids"]
+            out["input_ids"] = [x + [eos] for x in ids]
+            if self.dedupe:
+                out["hash"] = [content_hash(t) for t in texts]
+            return out
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        rendered = [render(self.fmt, row, self.tok, i + 1) for row, i in zip(rows, indices)]
+        special = self.fmt != "messages"  # chat templates write their own BOS; plain prompts get the tokenizer's
+        enc = self.tok([t for t, _ in rendered], add_special_tokens=special, return_offsets_mapping=True)
+        all_ids, masks = [], []
+        for ids, offsets, (text, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
+            mask = token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
+            if self.train_on_prompt:
+                mask[:] = 1
+            if not ids or ids[-1] != eos:  # every example ends in EOS, trained when the answer ends the text
+                last_trained = bool(spans) and spans[-1][1] >= len(text.rstrip())
+                ids = ids + [eos]
+                mask = np.append(mask, np.uint8(1 if (self.train_on_prompt or last_trained) else 0))
+            all_ids.append(ids)
+            masks.append(mask.tolist())
+        out["input_ids"], out["mask"] = all_ids, masks
+        if self.dedupe:
+            out["hash"] = [content_hash(row) for row in rows]
+        return out

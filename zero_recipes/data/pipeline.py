@@ -1,0 +1,222 @@
+"""Prepare the data of a run once, cache it, and hand train.py row sources.
+
+For each dataset: load -> detect the format -> clean and tokenise (batched `datasets.map`, fast
+tokenizer, `num_proc`) -> drop short, duplicate, answerless and over-long examples -> split off eval ->
+lay out rows (stream windows for text, packed or single examples for SFT) -> save flat .npy arrays.
+The cache key covers the data's identity, the tokenizer and every option that changes the rows, so a
+second launch memory-maps the arrays and tokenises nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..config import ConfigError
+from . import formats, packing, sources
+from .cache import cache_root, digest, publish, tokenizer_fingerprint
+from .order import Mixture
+
+DATA_FORMAT_VERSION = "3"  # bump when the cached layout or the rendering changes
+
+
+@dataclass
+class Prepared:
+    train: object  # packing.Samples or order.Mixture
+    eval: Optional[object]
+    formats: list[str]
+    pad_id: int
+
+    @property
+    def sft(self) -> bool:
+        """Any SFT data: labels are masked, and eval reports exact-match accuracy."""
+        return any(f != "text" for f in self.formats)
+
+    @property
+    def exact_match(self) -> bool:
+        """Eval rows are single SFT examples, so exact-match accuracy is defined."""
+        return bool(self.formats) and all(f != "text" for f in self.formats)
+
+    @property
+    def probe_rows(self):
+        return self.train
+
+
+def num_workers(cfg) -> int:
+    if cfg.preprocessing_num_workers:
+        return cfg.preprocessing_num_workers
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def prepare(cfg, tok, log) -> Prepared:
+    """Call on one rank at a time: train.py lets rank 0 build the caches while the others wait."""
+    specs = sources.dataset_specs(cfg)
+    parts = [prepare_one(cfg, spec, tok, log) for spec in specs]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    fmts = [p[2] for p in parts]
+    if len(parts) == 1:
+        train, evald = parts[0][0], parts[0][1]
+    else:
+        train = Mixture([p[0] for p in parts], [s.weight for s in specs], cfg.seed)
+        evals = [p[1] for p in parts if p[1] is not None and len(p[1])]
+        n = sum(len(e) for e in evals)
+        evald = Mixture(evals, [len(e) / n for e in evals], cfg.seed) if evals else None
+        shares = ", ".join(f"{s.name} {int((train.refs[:, 0] == k).sum())}" for k, s in enumerate(specs))
+        log(f"data: mixture of {len(specs)} datasets, {len(train)} rows per epoch ({shares})")
+    return Prepared(train, evald, fmts, pad_id)
+
+
+def cache_key(cfg, spec, source, tok) -> str:
+    return digest(DATA_FORMAT_VERSION, source, asdict(spec) | {"weight": None}, tokenizer_fingerprint(tok),
+                  cfg.block_size, cfg.packing, cfg.train_on_prompt, cfg.strip_html, cfg.normalize_whitespace,
+                  cfg.min_document_tokens, cfg.dedupe, cfg.validation_split_percentage, cfg.seed)
+
+
+def prepare_one(cfg, spec, tok, log):
+    source = sources.describe(spec, cfg)
+    out = cache_root(cfg) / "prepared" / cache_key(cfg, spec, source, tok)
+    if not (out / "meta.json").exists():
+        build(cfg, spec, source, tok, out, log)
+    else:
+        log(f"data: {spec.name}: cached arrays found at {out}; tokenisation skipped")
+    meta = json.loads((out / "meta.json").read_text())
+    if meta["format"] == "messages":
+        formats.ensure_chat_template(tok, log)
+    return load_rows(out, "train"), (load_rows(out, "eval") if meta["eval_rows"] else None), meta["format"]
+
+
+def load_rows(out, name) -> packing.Samples:
+    arr = lambda k: np.load(out / f"{name}_{k}.npy", mmap_mode="r")  # noqa: E731
+    mask = arr("mask") if (out / f"{name}_mask.npy").exists() else None
+    return packing.Samples(arr("tokens"), mask, np.asarray(arr("seg")), np.asarray(arr("ptr")))
+
+
+def tokenize(cfg, spec, ds, fmt, tok, desc):
+    procs = min(num_workers(cfg), max(1, len(ds) // 2000))
+    fn = formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html, cfg.normalize_whitespace,
+                          cfg.dedupe)
+    fp = digest(ds._fingerprint, tokenizer_fingerprint(tok), fmt, spec.text_column, cfg.train_on_prompt,
+                cfg.strip_html, cfg.normalize_whitespace, cfg.dedupe, DATA_FORMAT_VERSION)
+    return ds.map(fn, batched=True, batch_size=1000, with_indices=True, num_proc=procs, remove_columns=ds.column_names,
+                  new_fingerprint=f"tok-{fp}", desc=desc)
+
+
+def column(ds, name) -> "pa.ChunkedArray":  # noqa: F821
+    # with_format("arrow") honours any indices mapping a select/split leaves; .data would not
+    return ds.with_format("arrow")[:][name]
+
+
+def build(cfg, spec, source, tok, out, log) -> None:
+    import pyarrow.compute as pc
+
+    ds = sources.load(spec, source, spec.split, trust_remote_code=cfg.trust_remote_code)
+    if len(ds) == 0:
+        raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
+    fmt, how = formats.detect_format(spec.format, ds.column_names, spec.text_column, spec.name)
+    log(f"data: {spec.name}: {how}")
+    if fmt == "messages":
+        formats.ensure_chat_template(tok, log)
+    tokenized = tokenize(cfg, spec, ds, fmt, tok, "tokenising")
+    report = {"documents": len(ds)}
+    lengths = pc.list_value_length(column(tokenized, "input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    keep = np.ones(len(lengths), dtype=bool)
+    for step in ("html", "whitespace"):
+        if f"removed_{step}" in tokenized.column_names:
+            removed = column(tokenized, f"removed_{step}").to_numpy()
+            report[f"cleaning {step}"] = {"documents": 0, "tokens": int(removed.sum()), "changed": int((removed != 0).sum())}
+
+    def drop(name, bad):
+        bad = bad & keep
+        report[name] = {"documents": int(bad.sum()), "tokens": int(lengths[bad].sum())}
+        keep[bad] = False
+
+    if fmt != "text":
+        flat_mask = column(tokenized, "mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # every example has >= 1 token (its EOS)
+        drop("no answer tokens", np.add.reduceat(flat_mask.astype(np.int64), starts) == 0)
+    if cfg.min_document_tokens:
+        content = lengths - 1  # without the EOS every example ends in
+        drop(f"shorter than {cfg.min_document_tokens} tokens", content < cfg.min_document_tokens)
+    if cfg.dedupe:
+        hashes = column(tokenized, "hash").to_numpy()
+        first = np.zeros(len(hashes), dtype=bool)
+        candidates = np.flatnonzero(keep)
+        _, idx = np.unique(hashes[candidates], return_index=True)
+        first[candidates[idx]] = True
+        drop("exact duplicates", ~first)
+    if fmt != "text":
+        too_long = (lengths > cfg.block_size) & keep
+        if keep.any() and too_long.sum() == keep.sum():
+            raise ConfigError(f"dataset '{spec.name}': all {int(keep.sum())} examples are longer than block_size "
+                              f"{cfg.block_size} tokens (longest {int(lengths.max())}); raise --block_size")
+        drop(f"longer than block_size {cfg.block_size}", too_long)
+    if not keep.any():
+        raise ConfigError(f"dataset '{spec.name}' is empty after filtering: {summary(report)}; relax the cleaning options")
+
+    kept = np.flatnonzero(keep)
+    eval_kept = np.zeros(0, dtype=np.int64)
+    eval_tok = None
+    if spec.eval_split:
+        eval_ds = sources.load(spec, source, spec.eval_split, trust_remote_code=cfg.trust_remote_code)
+        if len(eval_ds):
+            formats.detect_format(fmt, eval_ds.column_names, spec.text_column, f"{spec.name}:{spec.eval_split}")
+            eval_tok = tokenize(cfg, spec, eval_ds, fmt, tok, "tokenising eval")
+            eval_len = pc.list_value_length(column(eval_tok, "input_ids")).to_numpy(zero_copy_only=False)
+            eval_kept = np.flatnonzero(eval_len <= cfg.block_size) if fmt != "text" else np.arange(len(eval_tok))
+    elif cfg.validation_split_percentage > 0 and len(kept) >= 2:
+        n_eval = max(1, int(round(cfg.validation_split_percentage / 100 * len(kept))))
+        perm = np.random.default_rng(cfg.seed).permutation(len(kept))
+        eval_kept, kept = np.sort(kept[perm[:n_eval]]), np.sort(kept[perm[n_eval:]])
+        eval_tok = tokenized
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    n_train = write_rows(tmp, "train", tokenized, kept, fmt, cfg.block_size, cfg.packing)
+    n_eval = write_rows(tmp, "eval", eval_tok, eval_kept, fmt, cfg.block_size, False) if eval_tok is not None else 0
+    if n_train == 0:
+        raise ConfigError(f"dataset '{spec.name}' yields no full block of {cfg.block_size} tokens; lower --block_size "
+                          "or use more data")
+    report.update(format=fmt, train_rows=n_train, eval_rows=n_eval, train_examples=int(len(kept)),
+                  eval_examples=int(len(eval_kept)))
+    (tmp / "meta.json").write_text(json.dumps({"format": fmt, "train_rows": n_train, "eval_rows": n_eval,
+                                               "report": report, "source": source}, default=str))
+    publish(tmp, out)
+    rows = load_rows(out, "train")
+    util = rows.num_tokens / (len(rows) * cfg.block_size)
+    log(f"data: {spec.name}: {summary(report)}; {len(kept)} train examples -> {n_train} rows of <= {cfg.block_size} "
+        f"tokens ({util:.1%} real tokens per block), {n_eval} eval rows; cached at {out}")
+
+
+def summary(report: dict) -> str:
+    parts = [f"{report['documents']} documents"]
+    for name, r in report.items():
+        if isinstance(r, dict) and (r["documents"] or r["tokens"]):
+            what = f"{r['tokens']} tokens" if not r["documents"] else f"{r['documents']} documents / {r['tokens']} tokens"
+            parts.append(f"{name}: -{what}")
+    return ", ".join(parts)
+
+
+def write_rows(tmp, name, tokenized, indices, fmt, block, pack) -> int:
+    """Flatten the chosen examples into one token array (and mask) and lay out rows over it."""
+    sub = tokenized.select(indices) if len(indices) != len(tokenized) else tokenized
+    import pyarrow.compute as pc
+
+    ids = column(sub, "input_ids")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64) if len(sub) else np.zeros(0, np.int64)
+    flat = ids.combine_chunks().flatten().to_numpy(zero_copy_only=False) if len(sub) else np.zeros(0, np.int64)
+    dtype = np.int32 if flat.max(initial=0) < 2**31 else np.int64
+    np.save(tmp / f"{name}_tokens.npy", flat.astype(dtype))
+    if fmt == "text":
+        seg, ptr = packing.windows(len(flat), block)
+    else:
+        mask = column(sub, "mask").combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(np.uint8)
+        np.save(tmp / f"{name}_mask.npy", mask)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
+        seg, ptr = packing.pack(starts, lengths, block) if pack else packing.one_per_row(starts, lengths)
+    np.save(tmp / f"{name}_seg.npy", seg)
+    np.save(tmp / f"{name}_ptr.npy", ptr)
+    return len(ptr) - 1

@@ -1,0 +1,167 @@
+"""Streaming: read, tokenise and lay out rows on the fly, for corpora too big to prepare up front.
+
+Each rank reads its own shard (`datasets.distributed.split_dataset_by_node`) in file order. The position
+is (epoch, example, token offset) in that shard, saved per rank in the checkpoint; a resume skips the
+consumed examples without tokenising them and continues at the same token, so the batches after a
+resume are the uninterrupted run's. Text rows are windows of the concatenated stream; SFT rows are
+whole examples, greedily packed in order when `packing` is on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ConfigError
+from . import formats, packing, sources
+from .pipeline import Prepared
+
+CHUNK = 256  # examples tokenised per call
+
+
+def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
+    specs = sources.dataset_specs(cfg)
+    if len(specs) != 1:
+        raise ConfigError("--streaming reads one dataset; mix datasets without --streaming, or pre-mix the files")
+    if cfg.dedupe:
+        raise ConfigError("--dedupe needs the whole dataset; it does not work with --streaming")
+    spec = specs[0]
+    source = sources.describe(spec, cfg)
+    head = sources.load(spec, source, spec.split, streaming=True, trust_remote_code=cfg.trust_remote_code)
+    columns = head.column_names or list(next(iter(head)).keys())
+    fmt, how = formats.detect_format(spec.format, columns, spec.text_column, spec.name)
+    log(f"data: {spec.name}: {how}; streaming, sharded over {world} rank(s)")
+    if fmt == "messages":
+        formats.ensure_chat_template(tok, log)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    n_eval = 0 if spec.eval_split or cfg.validation_split_percentage == 0 else \
+        (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
+    train = StreamOrder(cfg, spec, source, tok, fmt, rank, world, pad_id, skip=n_eval)
+    evald = None
+    if spec.eval_split or n_eval:
+        split = spec.eval_split or spec.split
+        n = n_eval or (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
+        ds = sources.load(spec, source, split, streaming=True, trust_remote_code=cfg.trust_remote_code).take(n)
+        evald = materialise(ds, formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html,
+                                                 cfg.normalize_whitespace, False), fmt, cfg.block_size)
+        log(f"data: eval: {len(evald)} rows from the first {n} examples of split '{split}'"
+            + ("" if spec.eval_split else ", which training skips"))
+    return Prepared(train, evald, [fmt], pad_id)
+
+
+def materialise(ds, fn, fmt, block) -> packing.Samples:
+    ids, masks = [], []
+    for i, batch in enumerate(ds.iter(batch_size=CHUNK)):
+        out = fn(batch, list(range(i * CHUNK, i * CHUNK + len(next(iter(batch.values()))))))
+        for j, x in enumerate(out["input_ids"]):
+            if fmt == "text" or len(x) <= block:
+                ids.append(x)
+                masks.append(out["mask"][j] if fmt != "text" else None)
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    tokens = np.array([t for x in ids for t in x], dtype=np.int64)
+    if fmt == "text":
+        seg, ptr = packing.windows(len(tokens), block)
+        return packing.Samples(tokens, None, seg, ptr)
+    mask = np.array([m for x in masks for m in x], dtype=np.uint8)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    seg, ptr = packing.one_per_row(starts, lengths)
+    return packing.Samples(tokens, mask, seg, ptr)
+
+
+class StreamOrder:
+    """The streaming counterpart of BatchOrder: next_batch(), state_dict(), load_state_dict()."""
+
+    def __init__(self, cfg, spec, source, tok, fmt, rank, world, pad_id, skip: int):
+        self.cfg, self.spec, self.source, self.fmt = cfg, spec, source, fmt
+        self.rank, self.world, self.pad_id, self.skip = rank, world, pad_id, skip
+        self.micro, self.block = cfg.per_device_train_batch_size, cfg.block_size
+        self.fn = formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html,
+                                   cfg.normalize_whitespace, False)
+        self.epoch, self.example, self.offset = 0, 0, 0  # next unconsumed token: example's token `offset`
+        self.dropped = 0
+        self._it = None
+        self._current = None  # (example index, ids, mask) at self.example
+
+    # -- position --
+    @property
+    def epoch_progress(self) -> float:
+        return float(self.epoch)
+
+    per_rank = 1  # rows per epoch are unknown while streaming
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "example": self.example, "offset": self.offset, "world": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "example" not in state:
+            raise ConfigError("this checkpoint was not written by a --streaming run; resume it without --streaming")
+        self.epoch, self.example, self.offset = state["epoch"], state["example"], state["offset"]
+        self._it, self._current = None, None
+
+    # -- reading --
+    def _examples(self):
+        from datasets.distributed import split_dataset_by_node
+
+        ds = sources.load(self.spec, self.source, self.spec.split, streaming=True,
+                          trust_remote_code=self.cfg.trust_remote_code)
+        if self.skip:
+            ds = ds.skip(self.skip)
+        ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world)
+        start = self.example
+        if start:
+            ds = ds.skip(start)  # read past, not tokenised and not trained on
+        index = start
+        for batch in ds.iter(batch_size=CHUNK):
+            n = len(next(iter(batch.values())))
+            out = self.fn(batch, list(range(index + 1, index + n + 1)))
+            for j in range(n):
+                mask = np.asarray(out["mask"][j], dtype=np.uint8) if self.fmt != "text" else None
+                yield index + j, np.asarray(out["input_ids"][j], dtype=np.int64), mask
+            index += n
+
+    def _peek(self):
+        """The example at self.example, reading on (and into the next epoch) as needed."""
+        if self._current is None or self._current[0] != self.example:
+            if self._it is None:
+                self._it = self._examples()
+            item = next(self._it, None)
+            if item is None:
+                if self.example == 0:
+                    raise ConfigError(f"dataset '{self.spec.name}' streams no examples to rank {self.rank}; "
+                                      "use fewer ranks or more data")
+                self.epoch, self.example, self.offset, self._it = self.epoch + 1, 0, 0, None
+                return self._peek()
+            self._current = item
+        return self._current
+
+    def _advance(self):
+        self.example, self.offset = self.example + 1, 0
+
+    def _row(self):
+        if self.fmt == "text":  # a window of the concatenated stream
+            need, pieces = self.block, []
+            while need:
+                _, ids, _ = self._peek()
+                take = ids[self.offset: self.offset + need]
+                pieces.append(take)
+                need -= len(take)
+                self.offset += len(take)
+                if self.offset >= len(ids):
+                    self._advance()
+            return [(np.concatenate(pieces), None)]
+        row, used = [], 0
+        while True:
+            _, ids, mask = self._peek()
+            if len(ids) > self.block:
+                self.dropped += 1
+                self._advance()
+                continue
+            if row and (not self.cfg.packing or used + len(ids) > self.block):
+                return row
+            row.append((ids, mask))
+            used += len(ids)
+            self._advance()
+            if not self.cfg.packing:
+                return row
+
+    def next_batch(self) -> dict:
+        return packing.collate([self._row() for _ in range(self.micro)], self.pad_id)
