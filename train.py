@@ -155,7 +155,8 @@ def main(argv: list[str]) -> int:
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in order.next_batch().items()}
                          for _ in range(cfg.gradient_accumulation_steps)]
         data_wait += time.perf_counter() - t
-        extra = {}
+        # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
+        extra = {"use_cache": False}
         if count_label_tokens:
             n_items = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).float()
             torch.distributed.all_reduce(n_items)
@@ -265,7 +266,7 @@ def evaluate(engine, prepared, cfg, rank, world, device) -> dict:
                                                cfg.max_eval_batches, prepared.pad_id):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
             target = batch.pop("labels")[:, 1:]
-            logits = engine(**batch).logits[:, :-1].float()
+            logits = engine(**batch, use_cache=False).logits[:, :-1].float()
             valid = target != -100
             losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none",
                                                        ignore_index=-100)
