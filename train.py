@@ -145,6 +145,12 @@ def main(argv: list[str]) -> int:
     count_label_tokens = prepared.sft
     time_to_first_step = None
     start_step, run_start = step, time.perf_counter()
+    if cfg.eval_on_start and step == 0:
+        ev = evaluate(engine, prepared, cfg, rank, world, device)
+        if ev:
+            mlog.write({"step": 0, **ev})
+            log(f"eval: step 0 {format_eval(ev)}")
+        window_start = time.perf_counter()
     engine.train()
     # ZeRO-0 in fp32 runs without a DeepSpeed optimizer wrapper, which is what records the grad norm
     measure_grad_norm = ds_config.zero_stage(ds) == 0 and dtype_name == "fp32"
@@ -204,8 +210,7 @@ def main(argv: list[str]) -> int:
             ev = evaluate(engine, prepared, cfg, rank, world, device)
             if ev:
                 mlog.write({"step": step, **ev})
-                em = f" exact match {ev['eval_exact_match']:.1%}" if "eval_exact_match" in ev else ""
-                log(f"eval: step {step} loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}{em}")
+                log(f"eval: step {step} {format_eval(ev)}")
             engine.train()
             window_start = time.perf_counter()  # eval time is not training throughput
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
@@ -285,6 +290,11 @@ def evaluate(engine, prepared, cfg, rank, world, device) -> dict:
     if prepared.exact_match and total[3].item() > 0:
         out["eval_exact_match"] = (total[2] / total[3]).item()
     return out
+
+
+def format_eval(ev: dict) -> str:
+    em = f" exact match {ev['eval_exact_match']:.1%}" if "eval_exact_match" in ev else ""
+    return f"loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}{em}"
 
 
 def progress_bar(rank: int, total: int, initial: int):

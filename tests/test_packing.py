@@ -144,10 +144,15 @@ def test_streaming_reads_the_same_stream_and_resumes_mid_document(tmp_path, tok)
     resumed.load_state_dict(state)
     for _ in range(5):
         assert torch.equal(stream.next_batch()["input_ids"], resumed.next_batch()["input_ids"])
-    # two ranks read disjoint shards
+    # two ranks read disjoint shards, and each resumes within its own shard
     shards = [prepare_stream(TrainConfig(**kw, streaming=True), tok, r, 2, lambda *_: None).train for r in range(2)]
     first = [s.next_batch()["input_ids"] for s in shards]
     assert not torch.equal(first[0], first[1])
+    again = prepare_stream(TrainConfig(**kw, streaming=True), tok, 1, 2, lambda *_: None).train
+    again.load_state_dict(shards[1].state_dict())
+    assert shards[1].state_dict()["example"] > 0
+    for _ in range(3):
+        assert torch.equal(shards[1].next_batch()["input_ids"], again.next_batch()["input_ids"])
 
 
 def test_streaming_sft_packs_whole_examples_in_order(tmp_path, tok):

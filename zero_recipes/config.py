@@ -141,6 +141,8 @@ class TrainConfig:
     logging_steps: int = 10
     eval_steps: int = 50
     """Evaluate every N optimizer steps (and at the end). 0 disables periodic eval."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step (a baseline for the curve), as HF's `eval_on_start`."""
     max_eval_batches: int = 50
     """Cap on eval micro-batches per rank, so eval stays cheap on big held-out sets. 0: no cap."""
     save_steps: int = 100
@@ -163,7 +165,7 @@ class TrainConfig:
 # output_dir is among them so that a run directory can be moved or copied and still resume.
 RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
                       "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                      "preprocessing_num_workers", "cache_dir", "max_eval_batches"}
+                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start"}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 from contextlib import nullcontext
 from pathlib import Path
@@ -16,6 +17,18 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, nu
 """The embedded default: a 2.3M-parameter Llama (GQA, SwiGLU, RoPE) that trains in minutes on 2 CPU cores."""
 
 
+def local_missing(name: str) -> None:
+    """A path that does not exist would otherwise be tried as a hub id, and fail with a network error."""
+    p = Path(os.path.expanduser(name))
+    if p.exists():
+        return
+    if Path(name) == Path(TrainConfig.output_dir):
+        raise ConfigError(f"model directory '{name}' does not exist; it is what the quick start leaves: run "
+                          "`deepspeed train.py --deepspeed ds_configs/zero3.json` first")
+    if name.startswith((".", "/", "~")) or (len(p.parts) > 1 and Path(p.parts[0]).is_dir()):
+        raise ConfigError(f"model directory '{name}' does not exist; give an existing directory or a hub id")
+
+
 def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
     """The HF config of the model to train. `vocab_size` (the tokenizer's) sizes the embedded model."""
     from transformers import AutoConfig
@@ -26,6 +39,7 @@ def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
             fields = dict(overrides)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         elif cfg.model_name_or_path:
+            local_missing(cfg.model_name_or_path)
             config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
             for k, v in (overrides or {}).items():
                 setattr(config, k, v)

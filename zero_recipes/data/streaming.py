@@ -106,12 +106,18 @@ class StreamOrder:
         if self.skip:
             ds = ds.skip(self.skip)
         ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world)
+        # Resume: read past the consumed examples without tokenising them. Not ds.skip(): after
+        # split_dataset_by_node it skips in the global stream (measured: rank 1 of 2 then yields 4, 6, ...).
         start = self.example
-        if start:
-            ds = ds.skip(start)  # read past, not tokenised and not trained on
-        index = start
+        index = 0
         for batch in ds.iter(batch_size=CHUNK):
             n = len(next(iter(batch.values())))
+            if index + n <= start:
+                index += n
+                continue
+            if index < start:
+                batch = {k: v[start - index:] for k, v in batch.items()}
+                n, index = n - (start - index), start
             out = self.fn(batch, list(range(index + 1, index + n + 1)))
             for j in range(n):
                 mask = np.asarray(out["mask"][j], dtype=np.uint8) if self.fmt != "text" else None
