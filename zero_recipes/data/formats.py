@@ -12,6 +12,7 @@ import hashlib
 import html
 import json
 import re
+from itertools import chain
 
 import numpy as np
 
@@ -138,45 +139,59 @@ def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
 
 
 class Tokenize:
-    """A picklable batched map function (for `num_proc`): rows -> input_ids (+ mask for SFT), plus the
-    per-example counts that the cleaning report needs."""
+    """A picklable batched map function (for `num_proc`). Each batch of examples becomes ONE output row of
+    flat arrays: ids, per-example lengths, the label mask (SFT), and what cleaning needs. Returning a few
+    large numpy arrays instead of a Python list per example is what makes the Arrow write cheap."""
 
     def __init__(self, tok, fmt: str, text_column: str, train_on_prompt: bool, strip: bool, normalize: bool,
                  dedupe: bool):
         self.tok, self.fmt, self.column = tok, fmt, text_column
         self.train_on_prompt, self.strip, self.normalize, self.dedupe = train_on_prompt, strip, normalize, dedupe
 
-    def _ids(self, texts, **kw):
-        return self.tok(texts, add_special_tokens=False, **kw)
+    def _encode(self, texts) -> list[list[int]]:
+        # encode_batch_fast skips the character offsets that only SFT masking needs (about 1.8x faster here)
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return self.tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
     def __call__(self, batch, indices):
+        out = self.text(batch) if self.fmt == "text" else self.sft(batch, indices)
+        return {k: [v] for k, v in out.items()}
+
+    def text(self, batch) -> dict:
         eos = self.tok.eos_token_id
         out = {}
-        if self.fmt == "text":
-            texts = [_str(t) for t in batch[self.column]]
-            for step, fn in (("html", strip_html if self.strip else None),
-                             ("whitespace", normalize_whitespace if self.normalize else None)):
-                if fn is None:
-                    continue
-                cleaned = [fn(t) for t in texts]
-                changed = [i for i, (a, b) in enumerate(zip(texts, cleaned)) if a != b]
-                removed = [0] * len(texts)
-                if changed:
-                    before = self._ids([texts[i] for i in changed])["input_ids"]
-                    after = self._ids([cleaned[i] for i in changed])["input_ids"]
-                    for i, a, b in zip(changed, before, after):
-                        removed[i] = len(a) - len(b)
-                out[f"removed_{step}"] = removed
-                texts = cleaned
-            ids = self._ids(texts)["input_ids"]
-            out["input_ids"] = [x + [eos] for x in ids]
-            if self.dedupe:
-                out["hash"] = [content_hash(t) for t in texts]
-            return out
+        texts = [_str(t) for t in batch[self.column]]
+        for step, fn in (("html", strip_html if self.strip else None),
+                         ("whitespace", normalize_whitespace if self.normalize else None)):
+            if fn is None:
+                continue
+            cleaned = [fn(t) for t in texts]
+            changed = [i for i, (a, b) in enumerate(zip(texts, cleaned)) if a != b]
+            removed = np.zeros(len(texts), dtype=np.int64)
+            if changed:
+                before = self._encode([texts[i] for i in changed])
+                after = self._encode([cleaned[i] for i in changed])
+                removed[changed] = [len(a) - len(b) for a, b in zip(before, after)]
+            out[f"removed_{step}"] = removed
+            texts = cleaned
+        ids = self._encode(texts)
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable((x, (eos,)) for x in ids)), dtype=np.int32,
+                           count=int(lengths.sum()))
+        out.update(ids=flat, lengths=lengths)
+        if self.dedupe:
+            out["hash"] = np.array([content_hash(t) for t in texts], dtype=np.int64)
+        return out
+
+    def sft(self, batch, indices) -> dict:
+        eos = self.tok.eos_token_id
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         rendered = [render(self.fmt, row, self.tok, i + 1) for row, i in zip(rows, indices)]
         special = self.fmt != "messages"  # chat templates write their own BOS; plain prompts get the tokenizer's
-        enc = self.tok([t for t, _ in rendered], add_special_tokens=special, return_offsets_mapping=True)
+        enc = self.tok([t for t, _ in rendered], add_special_tokens=special, return_offsets_mapping=True,
+                       return_attention_mask=False)
         all_ids, masks = [], []
         for ids, offsets, (text, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
             mask = token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
@@ -187,8 +202,19 @@ class Tokenize:
                 ids = ids + [eos]
                 mask = np.append(mask, np.uint8(1 if (self.train_on_prompt or last_trained) else 0))
             all_ids.append(ids)
-            masks.append(mask.tolist())
-        out["input_ids"], out["mask"] = all_ids, masks
+            masks.append(mask)
+        out = {"ids": np.fromiter(chain.from_iterable(all_ids), dtype=np.int32),
+               "lengths": np.array([len(x) for x in all_ids], dtype=np.int64),
+               "mask": np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)}
         if self.dedupe:
-            out["hash"] = [content_hash(row) for row in rows]
+            out["hash"] = np.array([content_hash(row) for row in rows], dtype=np.int64)
         return out
+
+
+def split_examples(out: dict):
+    """Undo the flat layout of one Tokenize row: yields (ids, mask or None) per example."""
+    ids, lengths, mask = out["ids"], out["lengths"], out.get("mask")
+    at = 0
+    for n in lengths:
+        yield ids[at: at + n], (None if mask is None else mask[at: at + n])
+        at += n

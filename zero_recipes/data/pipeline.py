@@ -21,7 +21,7 @@ from . import formats, packing, sources
 from .cache import cache_root, digest, publish, tokenizer_fingerprint
 from .order import Mixture
 
-DATA_FORMAT_VERSION = "3"  # bump when the cached layout or the rendering changes
+DATA_FORMAT_VERSION = "4"  # bump when the cached layout or the rendering changes
 
 
 @dataclass
@@ -110,9 +110,27 @@ def column(ds, name) -> "pa.ChunkedArray":  # noqa: F821
     return ds.with_format("arrow")[:][name]
 
 
-def build(cfg, spec, source, tok, out, log) -> None:
-    import pyarrow.compute as pc
+def flat(ds, name, dtype) -> np.ndarray:
+    """Concatenate one list column of the Tokenize output rows into one numpy array."""
+    if len(ds) == 0:
+        return np.zeros(0, dtype=dtype)
+    return column(ds, name).combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
+
+class Tokenized:
+    """The flat arrays of one tokenised split: ids, per-example lengths and starts, mask (SFT)."""
+
+    def __init__(self, ds, sft: bool):
+        self.ids = flat(ds, "ids", np.int32)
+        self.lengths = flat(ds, "lengths", np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64) if len(self.lengths) \
+            else np.zeros(0, dtype=np.int64)
+        self.mask = flat(ds, "mask", np.uint8) if sft else None
+        self.extra = {name: flat(ds, name, np.int64) for name in ("removed_html", "removed_whitespace", "hash")
+                      if name in ds.column_names}
+
+
+def build(cfg, spec, source, tok, out, log) -> None:
     ds = sources.load(spec, source, spec.split, trust_remote_code=cfg.trust_remote_code)
     if len(ds) == 0:
         raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
@@ -120,13 +138,13 @@ def build(cfg, spec, source, tok, out, log) -> None:
     log(f"data: {spec.name}: {how}")
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
-    tokenized = tokenize(cfg, spec, ds, fmt, tok, "tokenising")
-    report = {"documents": len(ds)}
-    lengths = pc.list_value_length(column(tokenized, "input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    tk = Tokenized(tokenize(cfg, spec, ds, fmt, tok, "tokenising"), fmt != "text")
+    lengths = tk.lengths
+    report = {"documents": len(lengths)}
     keep = np.ones(len(lengths), dtype=bool)
     for step in ("html", "whitespace"):
-        if f"removed_{step}" in tokenized.column_names:
-            removed = column(tokenized, f"removed_{step}").to_numpy()
+        if f"removed_{step}" in tk.extra:
+            removed = tk.extra[f"removed_{step}"]
             report[f"cleaning {step}"] = {"documents": 0, "tokens": int(removed.sum()), "changed": int((removed != 0).sum())}
 
     def drop(name, bad):
@@ -134,15 +152,12 @@ def build(cfg, spec, source, tok, out, log) -> None:
         report[name] = {"documents": int(bad.sum()), "tokens": int(lengths[bad].sum())}
         keep[bad] = False
 
-    if fmt != "text":
-        flat_mask = column(tokenized, "mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # every example has >= 1 token (its EOS)
-        drop("no answer tokens", np.add.reduceat(flat_mask.astype(np.int64), starts) == 0)
+    if fmt != "text":  # every example has >= 1 token (its EOS), so reduceat sees no empty segment
+        drop("no answer tokens", np.add.reduceat(tk.mask.astype(np.int64), tk.starts) == 0)
     if cfg.min_document_tokens:
-        content = lengths - 1  # without the EOS every example ends in
-        drop(f"shorter than {cfg.min_document_tokens} tokens", content < cfg.min_document_tokens)
+        drop(f"shorter than {cfg.min_document_tokens} tokens", lengths - 1 < cfg.min_document_tokens)  # EOS aside
     if cfg.dedupe:
-        hashes = column(tokenized, "hash").to_numpy()
+        hashes = tk.extra["hash"]
         first = np.zeros(len(hashes), dtype=bool)
         candidates = np.flatnonzero(keep)
         _, idx = np.unique(hashes[candidates], return_index=True)
@@ -158,25 +173,24 @@ def build(cfg, spec, source, tok, out, log) -> None:
         raise ConfigError(f"dataset '{spec.name}' is empty after filtering: {summary(report)}; relax the cleaning options")
 
     kept = np.flatnonzero(keep)
-    eval_kept = np.zeros(0, dtype=np.int64)
-    eval_tok = None
+    eval_tk, eval_kept = None, np.zeros(0, dtype=np.int64)
     if spec.eval_split:
         eval_ds = sources.load(spec, source, spec.eval_split, trust_remote_code=cfg.trust_remote_code)
         if len(eval_ds):
             formats.detect_format(fmt, eval_ds.column_names, spec.text_column, f"{spec.name}:{spec.eval_split}")
-            eval_tok = tokenize(cfg, spec, eval_ds, fmt, tok, "tokenising eval")
-            eval_len = pc.list_value_length(column(eval_tok, "input_ids")).to_numpy(zero_copy_only=False)
-            eval_kept = np.flatnonzero(eval_len <= cfg.block_size) if fmt != "text" else np.arange(len(eval_tok))
+            eval_tk = Tokenized(tokenize(cfg, spec, eval_ds, fmt, tok, "tokenising eval"), fmt != "text")
+            eval_kept = np.flatnonzero(eval_tk.lengths <= cfg.block_size) if fmt != "text" else \
+                np.arange(len(eval_tk.lengths))
     elif cfg.validation_split_percentage > 0 and len(kept) >= 2:
         n_eval = max(1, int(round(cfg.validation_split_percentage / 100 * len(kept))))
         perm = np.random.default_rng(cfg.seed).permutation(len(kept))
         eval_kept, kept = np.sort(kept[perm[:n_eval]]), np.sort(kept[perm[n_eval:]])
-        eval_tok = tokenized
+        eval_tk = tk
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    n_train = write_rows(tmp, "train", tokenized, kept, fmt, cfg.block_size, cfg.packing)
-    n_eval = write_rows(tmp, "eval", eval_tok, eval_kept, fmt, cfg.block_size, False) if eval_tok is not None else 0
+    n_train = write_rows(tmp, "train", tk, kept, fmt, cfg.block_size, cfg.packing)
+    n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, cfg.block_size, False) if eval_tk is not None else 0
     if n_train == 0:
         raise ConfigError(f"dataset '{spec.name}' yields no full block of {cfg.block_size} tokens; lower --block_size "
                           "or use more data")
@@ -200,20 +214,20 @@ def summary(report: dict) -> str:
     return ", ".join(parts)
 
 
-def write_rows(tmp, name, tokenized, indices, fmt, block, pack) -> int:
-    """Flatten the chosen examples into one token array (and mask) and lay out rows over it."""
-    sub = tokenized.select(indices) if len(indices) != len(tokenized) else tokenized
-    import pyarrow.compute as pc
-
-    ids = column(sub, "input_ids")
-    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64) if len(sub) else np.zeros(0, np.int64)
-    flat = ids.combine_chunks().flatten().to_numpy(zero_copy_only=False) if len(sub) else np.zeros(0, np.int64)
-    dtype = np.int32 if flat.max(initial=0) < 2**31 else np.int64
-    np.save(tmp / f"{name}_tokens.npy", flat.astype(dtype))
-    if fmt == "text":
-        seg, ptr = packing.windows(len(flat), block)
+def write_rows(tmp, name, tk: Tokenized, indices, fmt, block, pack) -> int:
+    """Keep the chosen examples (in order) as one flat token array (and mask) and lay out rows over it."""
+    if len(indices) == len(tk.lengths):
+        ids, mask, lengths = tk.ids, tk.mask, tk.lengths
     else:
-        mask = column(sub, "mask").combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(np.uint8)
+        chosen = np.zeros(len(tk.lengths), dtype=bool)
+        chosen[indices] = True
+        tokens = np.repeat(chosen, tk.lengths)
+        ids, lengths = tk.ids[tokens], tk.lengths[indices]
+        mask = tk.mask[tokens] if tk.mask is not None else None
+    np.save(tmp / f"{name}_tokens.npy", ids)
+    if fmt == "text":
+        seg, ptr = packing.windows(len(ids), block)
+    else:
         np.save(tmp / f"{name}_mask.npy", mask)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
         seg, ptr = packing.pack(starts, lengths, block) if pack else packing.one_per_row(starts, lengths)

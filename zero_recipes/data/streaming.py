@@ -51,17 +51,17 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
 def materialise(ds, fn, fmt, block) -> packing.Samples:
     ids, masks = [], []
     for i, batch in enumerate(ds.iter(batch_size=CHUNK)):
-        out = fn(batch, list(range(i * CHUNK, i * CHUNK + len(next(iter(batch.values()))))))
-        for j, x in enumerate(out["input_ids"]):
+        out = fn(batch, list(range(i * CHUNK + 1, i * CHUNK + 1 + len(next(iter(batch.values()))))))
+        for x, m in formats.split_examples({k: v[0] for k, v in out.items()}):
             if fmt == "text" or len(x) <= block:
                 ids.append(x)
-                masks.append(out["mask"][j] if fmt != "text" else None)
+                masks.append(m)
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
-    tokens = np.array([t for x in ids for t in x], dtype=np.int64)
+    tokens = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
     if fmt == "text":
         seg, ptr = packing.windows(len(tokens), block)
         return packing.Samples(tokens, None, seg, ptr)
-    mask = np.array([m for x in masks for m in x], dtype=np.uint8)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     seg, ptr = packing.one_per_row(starts, lengths)
     return packing.Samples(tokens, mask, seg, ptr)
@@ -119,9 +119,8 @@ class StreamOrder:
                 batch = {k: v[start - index:] for k, v in batch.items()}
                 n, index = n - (start - index), start
             out = self.fn(batch, list(range(index + 1, index + n + 1)))
-            for j in range(n):
-                mask = np.asarray(out["mask"][j], dtype=np.uint8) if self.fmt != "text" else None
-                yield index + j, np.asarray(out["input_ids"][j], dtype=np.int64), mask
+            for j, (ids, mask) in enumerate(formats.split_examples({k: v[0] for k, v in out.items()})):
+                yield index + j, ids, mask
             index += n
 
     def _peek(self):
