@@ -69,11 +69,6 @@ def main(argv: list[str]) -> int:
     threads = distributed.set_threads(local_world)
     distributed.init()
     distributed.quiet_deepspeed()
-    torch.distributed.barrier()  # every rank has read output_dir before rank 0 writes to it
-    if rank == 0:
-        if cfg.overwrite_output_dir and cfg.resume_from_checkpoint is None:
-            checkpoint.clear_previous_run(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
     for note in notes:
         log(f"config: {note}")
     log(f"distributed: {world} rank(s), backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
@@ -96,7 +91,12 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer")
     ds, _ = ds_config.resolve(raw_ds, cfg, explicit, world, modeling.hidden_size(model_config), total_steps)
+    # Only now, with the data and config known good, is output_dir touched: bad input leaves it as it was.
+    torch.distributed.barrier()  # every rank has read output_dir before rank 0 writes to it
     if rank == 0:
+        if cfg.overwrite_output_dir and cfg.resume_from_checkpoint is None:
+            checkpoint.clear_previous_run(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.write_run_config(output_dir, run_signature(cfg, raw_ds), ds)
     zero3 = ds_config.zero_stage(ds) == 3
     dtype_name = "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
@@ -229,8 +229,9 @@ def main(argv: list[str]) -> int:
     modeling.export_hf_model(engine, tokenizer, output_dir, zero3, rank)
     log(f"export: AutoModelForCausalLM.from_pretrained('{output_dir}') loads the trained model")
     if cfg.verify_export:
-        rows = prepared.eval if prepared.eval is not None and len(prepared.eval) else prepared.probe_rows
-        probe = data.collate([rows.row(0)], prepared.pad_id)["input_ids"][:, :64].to(device)
+        rows = prepared.probe_rows
+        probe = (data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch())
+        probe = probe["input_ids"][:1, :64].to(device)
         out_dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16 if dtype_name == "fp16" else torch.float32
         diff = modeling.verify_export(engine, output_dir, probe, rank, out_dtype)
         if rank == 0:

@@ -25,14 +25,32 @@ def dry_run(args, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def quick_start_model(tmp_path_factory):
+    """Stands in for outputs/tiny-llama, which recipes that fine-tune the quick start's model need: the
+    embedded architecture, saved untrained (a dry run reads only its config)."""
+    from transformers import AutoConfig
+
+    from zero_recipes.model import TINY_LLAMA
+
+    out = tmp_path_factory.mktemp("quick-start-model")
+    fields = dict(TINY_LLAMA)
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(out)
+    return out
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_resolves_and_header_carries_its_command(recipe, capsys):
+def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_start_model):
     text = recipe.read_text()
     for label in ("# Trains:", "# Hardware:", "# Launch:", "# Memory:"):
         assert label in text, f"{recipe.name} header lacks {label}"
     launch_line = next(line for line in text.splitlines() if line.startswith("# Launch:"))
     assert f"recipes/{recipe.name}" in launch_line and "train.py" in launch_line
-    out = dry_run(["--recipe", str(recipe)], capsys)
+    extra = []
+    if "model_name_or_path: outputs/tiny-llama" in text:
+        assert "# Needs:" in text and "quick start" in text  # the header says to run the quick start first
+        extra = ["--model_name_or_path", str(quick_start_model)]
+    out = dry_run(["--recipe", str(recipe), *extra], capsys)
     assert "plan: model" in out and '"auto"' not in out
 
 

@@ -94,7 +94,8 @@ class TrainConfig:
     dedupe: bool = False
     """Cleaning: drop exact duplicates (by hash of the text, or of the whole SFT example)."""
     preprocessing_num_workers: Optional[int] = None
-    """Processes for tokenisation (`datasets.map(num_proc=...)`). Unset: one per core, at most 8."""
+    """Processes for tokenisation (`datasets.map(num_proc=...)`). Unset: one per core, at most 8. Small
+    datasets get fewer (one per 2000 examples), since a process costs more than it saves there."""
     cache_dir: Optional[str] = None
     """Where the embedded data, tokenizer and prepared token arrays are cached. Unset:
     `$ZERO_RECIPES_CACHE` or `~/.cache/zero-recipes`."""

@@ -43,7 +43,11 @@ class Prepared:
 
     @property
     def probe_rows(self):
-        return self.train
+        """Rows to take an export-check probe from: eval, else train (None for a stream without eval)."""
+        for rows in (self.eval, self.train):
+            if rows is not None and hasattr(rows, "row") and len(rows):
+                return rows
+        return None
 
 
 def num_workers(cfg) -> int:
