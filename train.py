@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
     threads = distributed.set_threads(local_world)
     distributed.init()
     distributed.quiet_deepspeed()
+    stop_request = distributed.StopRequest()
     for note in notes:
         log(f"config: {note}")
     log(f"distributed: {world} rank(s), backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
     peak, peak_source = metrics.device_peak_flops(dtype_name)
     log(f"plan: {total_steps} steps x {ds['train_batch_size']} sequences x {cfg.block_size} tokens; "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
-    mlog = metrics.MetricsLog(output_dir / "metrics.jsonl", rank == 0)
+    mlog = metrics.MetricsLog(output_dir / "metrics.jsonl", rank == 0, resumed_at=step if where is not None else None)
     device = engine.device
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     bar = progress_bar(rank, total_steps, step)
@@ -213,11 +214,19 @@ def main(argv: list[str]) -> int:
                 log(f"eval: step {step} {format_eval(ev)}")
             engine.train()
             window_start = time.perf_counter()  # eval time is not training throughput
-        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
+        preempted = stop_request.agreed()
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or preempted:
             path = checkpoint.save(engine, output_dir, step, {"step": step}, rank, cfg.save_total_limit,
                                    rank_state={"data": order.state_dict()})
             window_start = time.perf_counter()
             bar.write(f"checkpoint: {path}") if rank == 0 else None
+        if preempted and step < total_steps:
+            bar.close()
+            mlog.close()
+            log(f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total_steps}). "
+                "Resume by launching the same command again (it continues from there), or with "
+                "--resume_from_checkpoint auto")
+            return 0
     bar.close()
     if step > start_step:
         log(f"train: {step - start_step} steps in {time.perf_counter() - run_start:.1f}s, "

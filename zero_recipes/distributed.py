@@ -101,3 +101,38 @@ def finish(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class StopRequest:
+    """Preemption: SIGTERM or SIGUSR1 (what Slurm and cloud schedulers send before taking a node) asks for a
+    checkpoint and a clean exit at the next step boundary. Launchers signal ranks one at a time or only
+    some of them, so the ranks agree at each boundary with one tiny all-reduce on a gloo group (on GPUs a
+    separate one, so it never waits on the CUDA stream). A second signal exits at once."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        import signal
+
+        import torch.distributed as dist
+
+        self.received: str | None = None
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        if self.received is not None:
+            os._exit(128 + signum)
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """Collective: the signal any rank received, or None. Call at the same point on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([self.SIGNALS.index(self.received) + 1 if self.received else 0], dtype=torch.int32)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
+        return self.SIGNALS[int(mine.item()) - 1] if int(mine.item()) else None

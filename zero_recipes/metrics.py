@@ -123,10 +123,18 @@ def memory_stats() -> dict:
 
 
 class MetricsLog:
-    """One JSON object per line in output_dir/metrics.jsonl (rank 0 only), appended across resumes."""
+    """One JSON object per line in output_dir/metrics.jsonl (rank 0 only), appended across resumes. A
+    resume from step N first drops the records after N, which the interrupted launch wrote and the
+    resumed one writes again, so each step appears once."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, resumed_at: int | None = None):
         self.enabled = enabled
+        if enabled and resumed_at is not None and path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resumed_at]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(path)
         self.f = open(path, "a") if enabled else None
 
     def write(self, record: dict) -> None:

@@ -1,0 +1,91 @@
+"""Faults through the real launcher: preemption signals save and exit cleanly; a dead rank ends the job
+quickly; the next launch resumes from the last complete checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from conftest import FAST, REPO, free_port, launch
+
+ARGS = [a for a in FAST] + ["--deepspeed", "ds_configs/zero2.json"]
+ARGS[ARGS.index("--max_steps") + 1] = "60"
+ARGS[ARGS.index("--save_steps") + 1] = "5"
+
+
+def start(output_dir):
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *ARGS,
+           "--output_dir", str(output_dir)]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_steps(output_dir, proc, n, timeout=300):
+    path = output_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and sum(1 for line in path.read_text().splitlines() if '"loss"' in line) >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout}s")
+
+
+def ranks(proc) -> dict[int, psutil.Process]:
+    out = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        for arg in p.cmdline():
+            if arg.startswith("--local_rank="):
+                out[int(arg.split("=")[1])] = p
+    return out
+
+
+def latest(output_dir) -> str:
+    return (output_dir / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.mark.parametrize("how", ["SIGUSR1 to one rank", "SIGTERM to every rank"])
+def test_preemption_saves_at_the_step_boundary_and_exits_cleanly(how, tmp_path):
+    out = tmp_path / "run"
+    proc = start(out)
+    wait_for_steps(out, proc, 3)
+    targets = [ranks(proc)[1]] if "one rank" in how else list(ranks(proc).values())
+    sig = signal.SIGUSR1 if "SIGUSR1" in how else signal.SIGTERM
+    for p in targets:
+        p.send_signal(sig)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, log[-4000:]
+    line = next(x for x in log.splitlines() if x.startswith("preempted:"))
+    assert f"{sig.name} received; checkpoint saved at" in line and "Resume by launching the same command" in line
+    step = int(latest(out).split("-")[1])
+    assert 3 <= step < 60 and f"step-{step}" in line
+    assert not (out / "model.safetensors").exists()  # not finished, so not exported
+    # launching the same command again continues from that checkpoint and finishes
+    again = launch(ARGS, out).check()
+    assert f"resume: loaded {out / 'checkpoints' / f'step-{step}'} at step {step}" in again.log
+    assert [r["step"] for r in again.records if "loss" in r][-1] == 60
+
+
+def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out)
+    wait_for_steps(out, proc, 12)
+    ranks(proc)[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    log = proc.communicate(timeout=120)[0]
+    exit_seconds = time.time() - killed
+    assert proc.returncode != 0
+    assert exit_seconds < 60, f"job took {exit_seconds:.1f}s to exit after a rank died"
+    print(f"dead rank: job exited {exit_seconds:.1f}s after SIGKILL of rank 1 (code {proc.returncode})")
+    done = int(latest(out).split("-")[1])
+    assert done >= 10
+    again = launch(ARGS + ["--resume_from_checkpoint", "auto"], out).check()
+    assert f"at step {done}" in again.log
+    # each step once in metrics.jsonl: the steps the dead launch logged after its checkpoint are replaced
+    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, 61))
