@@ -119,6 +119,7 @@ def main(argv: list[str]) -> int:
 
     # ---- engine ------------------------------------------------------------------------------------
     engine = make_engine(cfg, model, ds, total_steps)
+    hf_writer = modeling.hf_files_writer(engine.module.config, tokenizer)
     step = 0
     where = checkpoint.resolve_resume(output_dir, resume)
     if where is not None:
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> int:
         preempted = stop_request.agreed()
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or preempted:
             path = checkpoint.save(engine, output_dir, step, {"step": step}, rank, cfg.save_total_limit,
-                                   rank_state={"data": order.state_dict()})
+                                   rank_state={"data": order.state_dict()}, hf_writer=hf_writer)
             window_start = time.perf_counter()
             bar.write(f"checkpoint: {path}") if rank == 0 else None
         if preempted and step < total_steps:

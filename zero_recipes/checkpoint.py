@@ -120,8 +120,11 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
+
+
 def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, keep: int,
-         rank_state: dict | None = None) -> Path:
+         rank_state: dict | None = None, hf_writer=None) -> Path:
     """Save a checkpoint; DeepSpeed writes `latest` only after every rank's files are written."""
     import torch
 
@@ -131,6 +134,8 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     # RNG and data position per rank: DeepSpeed saves none, dropout streams differ per rank, and a
     # streamed dataset is read at a different place on each rank.
     torch.save({**rng_state(), **(rank_state or {})}, d / tag / f"rng_state_{rank}.pt")
+    if rank == 0 and hf_writer is not None:
+        hf_writer(d / tag / HF_FILES)
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state)
     torch.distributed.barrier()
     if rank == 0 and keep > 0:

@@ -185,6 +185,23 @@ def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
     return sd
 
 
+def hf_files_writer(model_config, tokenizer):
+    """What makes a weights file a model directory: config, generation config, tokenizer."""
+    def write(out_dir: Path) -> None:
+        from transformers import GenerationConfig
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        import copy
+
+        config = copy.deepcopy(model_config)
+        config.use_cache = True
+        config.save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    return write
+
+
 def export_hf_model(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
     """Leave a complete HF model directory in `out_dir`, as the HF Trainer does."""
     import torch

@@ -1,0 +1,64 @@
+"""tools/export_hf.py: any ZeRO checkpoint (here 2-rank ZeRO-1/2/3) becomes an HF directory on one
+process, with the engine's logits; broken checkpoints get one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import EXPORT_TOL, REPO
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "tools/export_hf.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def logits(model_dir, dtype=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    probe = torch.arange(1, 33).reshape(1, 32)
+    with torch.no_grad():
+        return model(input_ids=probe).logits.float()
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_export_of_a_two_rank_checkpoint_matches_the_engine(name, trained, tmp_path):
+    run = trained(name, "fp32").check()
+    out = tmp_path / "hf"
+    proc = export(run.output_dir / "checkpoints" / "step-8", out, "--max_shard_size", "2MB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded, with an index
+    for f in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (out / f).is_file(), f
+    # the run's own export was checked against the engine's logits (--verify_export); match it
+    assert (logits(out) - logits(run.output_dir)).abs().max().item() < EXPORT_TOL["fp32"]
+
+
+def test_bf16_export_and_broken_checkpoints(trained, tmp_path):
+    run = trained("zero2", "fp32").check()
+    out = tmp_path / "bf16"
+    assert export(run.output_dir, out, "--dtype", "bf16").returncode == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (logits(out, torch.bfloat16) - logits(run.output_dir)).abs().max().item() < EXPORT_TOL["bf16"] * 10
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run.output_dir / "checkpoints", broken / "checkpoints")
+    partial = broken / "checkpoints" / "step-8"
+    next(partial.glob("*optim_states.pt")).unlink()  # as a save killed midway leaves it
+    for path, target, message in [(partial, tmp_path / "x", "is incomplete: 1 of 2 optimizer-state files"),
+                                  (tmp_path / "nothing", tmp_path / "x", "holds no DeepSpeed checkpoint"),
+                                  (run.output_dir, out, "is not empty")]:
+        proc = export(path, target)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    (broken / "checkpoints" / "latest").write_text("step-99")
+    proc = export(broken, tmp_path / "y")
+    assert proc.returncode == 2 and "names 'step-99', which is missing" in proc.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()  # nothing written on failure

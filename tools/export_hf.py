@@ -1,0 +1,129 @@
+"""Turn a DeepSpeed checkpoint of any ZeRO stage and world size into a Hugging Face model directory.
+
+    python tools/export_hf.py outputs/tiny-llama/checkpoints/step-100 exported/ [--dtype bf16|fp32|fp16]
+    python tools/export_hf.py outputs/tiny-llama exported/          # its newest complete checkpoint
+
+The result holds config.json, generation_config.json, the tokenizer and sharded safetensors with an
+index; `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it. The weights come from DeepSpeed's own
+consolidation (`deepspeed.utils.zero_to_fp32`), in its lazy mode: one parameter is gathered from the
+rank files at a time and written shard by shard, so memory stays near one copy of the weights in the
+output dtype. It runs on one CPU process whatever the world size that saved the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from zero_recipes.checkpoint import HF_FILES  # noqa: E402
+from zero_recipes.config import ConfigError  # noqa: E402
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def locate(path: Path) -> tuple[Path, str]:
+    """(directory holding the tag dirs, tag) for an output_dir, its checkpoints/ dir or a step-N dir."""
+    for base in (path / "checkpoints", path):
+        latest = base / "latest"
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not (base / tag).is_dir():
+                raise ConfigError(f"{latest} names '{tag}', which is missing from {base}; pass an existing "
+                                  f"checkpoint directory: {', '.join(sorted(p.name for p in base.glob('step-*'))) or 'none'}")
+            return base, tag
+    if path.is_dir() and glob.glob(str(path / "*model_states.pt")):
+        return path.parent, path.name
+    raise ConfigError(f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
+                      "or a checkpoints/step-N directory")
+
+
+def check_complete(ckpt: Path) -> int:
+    """The rank files DeepSpeed wrote must all be there; a save killed midway leaves some out."""
+    import torch
+
+    model_files = sorted(ckpt.glob("*model_states.pt"))
+    if not model_files:
+        raise ConfigError(f"{ckpt} has no model_states.pt file: the save did not finish; export an earlier checkpoint")
+    state = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    stage = int(state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
+    world = int(state.get("dp_world_size", 1))
+    optim = sorted(ckpt.glob("*optim_states.pt"))
+    if stage >= 1 and len(optim) != world:
+        raise ConfigError(f"{ckpt} is incomplete: {len(optim)} of {world} optimizer-state files (ZeRO-{stage}); "
+                          "the save did not finish. Export an earlier checkpoint")
+    if stage == 3 and len(model_files) != world:
+        raise ConfigError(f"{ckpt} is incomplete: {len(model_files)} of {world} model-state files (ZeRO-3)")
+    if not (ckpt / HF_FILES / "config.json").is_file():
+        raise ConfigError(f"{ckpt} has no {HF_FILES}/config.json (written by train.py with each checkpoint); "
+                          "it was not saved by zero-recipes' train.py")
+    return stage
+
+
+def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str) -> Path:
+    import torch
+
+    base, tag = locate(checkpoint)
+    ckpt = base / tag
+    stage = check_complete(ckpt)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir} is not empty; export into a new directory (nothing there is overwritten)")
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        if stage == 0:
+            # ZeRO-0 saves the whole module in one file; zero_to_fp32 handles only partitioned stages
+            from huggingface_hub import save_torch_state_dict
+
+            module = torch.load(next(ckpt.glob("*model_states.pt")), map_location="cpu", weights_only=False)["module"]
+            sd = {k: (v.to(getattr(torch, DTYPES[dtype])) if v.is_floating_point() else v) for k, v in module.items()}
+            save_torch_state_dict(sd, str(tmp), max_shard_size=max_shard_size, safe_serialization=True)
+        else:
+            from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+            convert_zero_checkpoint_to_state_dict(str(base), str(tmp), dtype=DTYPES[dtype], max_shard_size=max_shard_size,
+                                                  safe_serialization=True, tag=tag)
+        for f in (ckpt / HF_FILES).iterdir():
+            shutil.copy2(f, tmp / f.name)
+        set_config_dtype(tmp, DTYPES[dtype])
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.replace(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt
+
+
+def set_config_dtype(out: Path, dtype: str) -> None:
+    import json
+
+    p = out / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["dtype"] = dtype
+    p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", type=Path, help="an output_dir, its checkpoints/ dir, or a checkpoints/step-N dir")
+    ap.add_argument("out_dir", type=Path, help="new directory for the HF model")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights dtype (default fp32)")
+    ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
+    args = ap.parse_args(argv)
+    try:
+        ckpt = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} -> {args.out_dir} ({args.dtype}); AutoModelForCausalLM.from_pretrained('{args.out_dir}') loads it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
