@@ -136,13 +136,33 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     torch.save({**rng_state(), **(rank_state or {})}, d / tag / f"rng_state_{rank}.pt")
     if rank == 0 and hf_writer is not None:
         hf_writer(d / tag / HF_FILES)
-    engine.save_checkpoint(str(d), tag=tag, client_state=client_state)
+    # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
+    # ranks finish theirs (engine.save_checkpoint, 0.19.8), so a rank killed mid-save could leave `latest`
+    # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
+    # every rank's files exist, and atomically.
+    engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
+    _test_fault_point(step, rank)
+    torch.distributed.barrier()
+    if rank == 0:
+        tmp = d / f"latest.tmp{os.getpid()}"
+        tmp.write_text(tag)
+        os.replace(tmp, d / "latest")
     torch.distributed.barrier()
     if rank == 0 and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
     return d / tag
+
+
+def _test_fault_point(step: int, rank: int) -> None:
+    """Test hook: ZERO_RECIPES_TEST_KILL_IN_SAVE=STEP:RANK SIGKILLs that rank after its checkpoint files
+    are written and before `latest` moves, the moment a kill during a save is most dangerous."""
+    spec = os.environ.get("ZERO_RECIPES_TEST_KILL_IN_SAVE")
+    if spec and spec == f"{step}:{rank}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
