@@ -35,6 +35,7 @@ import torch._dynamo  # noqa: F401
 import psutil
 
 PROCESS_START = psutil.Process().create_time()  # time to first step counts the imports too
+NAN_TEST_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))  # test hook, see tests/test_faults.py
 
 from zero_recipes import checkpoint, data, distributed, ds_config, metrics, model as modeling
 from zero_recipes.engine import make_engine
@@ -140,6 +141,7 @@ def main(argv: list[str]) -> int:
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     bar = progress_bar(rank, total_steps, step)
     loss_sum = torch.zeros((), device=device)
+    first_bad = torch.zeros((), dtype=torch.long, device=device)
     window_steps, window_start, data_wait = 0, time.perf_counter(), 0.0
     first_loss = last_loss = None
     # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its micro-
@@ -172,24 +174,35 @@ def main(argv: list[str]) -> int:
             extra["num_items_in_batch"] = n_items.clamp(min=1) / (cfg.gradient_accumulation_steps * world)
         for micro, batch in enumerate(micro_batches):
             loss = engine(**batch, **extra).loss
+            if step + 1 == NAN_TEST_STEP:  # test hook: a real backward and step on a NaN loss
+                loss = loss * float("nan")
             engine.backward(loss)
             if measure_grad_norm and logging_step and micro == cfg.gradient_accumulation_steps - 1:
                 own_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
                                                                if p.grad is not None])
             engine.step()
             loss_sum += loss.detach()
+            # the first step with a non-finite loss, kept on the device: no host sync until a check
+            first_bad = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1, first_bad)
         step += 1
         window_steps += 1
         if time_to_first_step is None:
             time_to_first_step = time.time() - PROCESS_START
         bar.update(1)
+        saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps
+        if saving or step % cfg.logging_steps == 0:
+            # Before anything is logged or saved: did any rank see a NaN/inf loss? No NaN checkpoint is written.
+            bad = torch.where(first_bad > 0, first_bad, torch.full_like(first_bad, 2**62))
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MIN)
+            if bad.item() < 2**62:
+                log(f"error: the loss became non-finite (NaN or inf) at step {bad.item()}; stopping without saving "
+                    f"a checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of fp16; "
+                    f"the last good checkpoint is {checkpoint.latest_tag(output_dir) or 'none'}")
+                return 1
         if step % cfg.logging_steps == 0 or step == total_steps:
             # the only host sync of the loop: one all-reduce and .item() per logging window
             torch.distributed.all_reduce(loss_sum)
             mean_loss = loss_sum.item() / (window_steps * cfg.gradient_accumulation_steps * world)
-            if not math.isfinite(mean_loss):
-                log(f"error: loss is {mean_loss} at step {step}; stopping without saving a checkpoint")
-                return 1
             elapsed = time.perf_counter() - window_start
             tps = tokens_per_step_rank * window_steps / elapsed
             grad_norm = engine.get_global_grad_norm()
@@ -216,7 +229,7 @@ def main(argv: list[str]) -> int:
             engine.train()
             window_start = time.perf_counter()  # eval time is not training throughput
         preempted = stop_request.agreed()
-        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or preempted:
+        if saving or preempted:
             path = checkpoint.save(engine, output_dir, step, {"step": step}, rank, cfg.save_total_limit,
                                    rank_state={"data": order.state_dict()}, hf_writer=hf_writer)
             window_start = time.perf_counter()

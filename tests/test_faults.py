@@ -100,3 +100,14 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     again = launch(ARGS, out).check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-5'} at step 5" in again.log
     assert [r["step"] for r in again.records if "loss" in r] == list(range(1, 61))
+
+
+def test_a_nan_loss_stops_with_the_step_and_saves_no_nan_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    run = launch(ARGS + ["--logging_steps", "10"], out, env={"ZERO_RECIPES_TEST_NAN_AT_STEP": "7"})
+    assert run.proc.returncode == 1
+    errors = [line for line in run.log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite (NaN or inf) at step 7" in errors[0], run.log[-3000:]
+    assert "the last good checkpoint is step-5" in errors[0]
+    assert latest(out) == "step-5" and not (out / "checkpoints" / "step-10").exists()
+    assert [r["step"] for r in run.records if "loss" in r] == []  # nothing non-finite was logged either
