@@ -93,7 +93,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
 
 def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     out = tmp_path / "run"
-    killed = launch(ARGS, out, env={"ZERO_RECIPES_TEST_KILL_IN_SAVE": "10:1"})
+    killed = launch(ARGS, out, env={"ZERO_RECIPES_TEST_KILL": "in_save:10:1"})
     assert killed.proc.returncode != 0
     assert (out / "checkpoints" / "step-10").is_dir()  # rank 0 finished its files; rank 1 died in the save
     assert latest(out) == "step-5"  # never the partial one

@@ -141,13 +141,14 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
     # every rank's files exist, and atomically.
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
-    _test_fault_point(step, rank)
+    _test_fault_point("in_save", step, rank)
     torch.distributed.barrier()
     if rank == 0:
         tmp = d / f"latest.tmp{os.getpid()}"
         tmp.write_text(tag)
         os.replace(tmp, d / "latest")
     torch.distributed.barrier()
+    _test_fault_point("after_save", step, rank)
     if rank == 0 and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -155,11 +156,12 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     return d / tag
 
 
-def _test_fault_point(step: int, rank: int) -> None:
-    """Test hook: ZERO_RECIPES_TEST_KILL_IN_SAVE=STEP:RANK SIGKILLs that rank after its checkpoint files
-    are written and before `latest` moves, the moment a kill during a save is most dangerous."""
-    spec = os.environ.get("ZERO_RECIPES_TEST_KILL_IN_SAVE")
-    if spec and spec == f"{step}:{rank}":
+def _test_fault_point(where: str, step: int, rank: int) -> None:
+    """Test hook: ZERO_RECIPES_TEST_KILL=WHERE:STEP:RANK SIGKILLs that rank at that point of that step's
+    save. `in_save`: its files are written and `latest` has not moved, the moment a kill is most
+    dangerous. `after_save`: the checkpoint is complete, as when a job dies between saves."""
+    spec = os.environ.get("ZERO_RECIPES_TEST_KILL")
+    if spec and spec == f"{where}:{step}:{rank}":
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

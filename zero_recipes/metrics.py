@@ -139,7 +139,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.f:
-            self.f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
+            # floats at full precision: resume tests compare losses bit for bit
+            self.f.write(json.dumps(record) + "\n")
             self.f.flush()
 
     def close(self) -> None:
