@@ -119,14 +119,27 @@ def main(argv: list[str]) -> int:
         f"{ds_config.zero_stage(ds)}, {dtype_name}, attention {cfg.attn_implementation}")
 
     # ---- engine ------------------------------------------------------------------------------------
+    where = checkpoint.resolve_resume(output_dir, resume)
+    saved = checkpoint.layout_change(where, world, ds_config.zero_stage(ds)) if where is not None else None
+    original = where
+    if saved is not None:
+        if cfg.streaming:
+            raise ConfigError(f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+                              "position cannot move to another world size. Resume with the same number of ranks")
+        log(f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
+            f"{world} with ZeRO-{ds_config.zero_stage(ds)}; converting it with DeepSpeed's universal checkpoint")
+        where = checkpoint.to_universal(where, rank)
+        ds.setdefault("checkpoint", {})["load_universal"] = True
     engine = make_engine(cfg, model, ds, total_steps)
     hf_writer = modeling.hf_files_writer(engine.module.config, tokenizer)
     step = 0
-    where = checkpoint.resolve_resume(output_dir, resume)
     if where is not None:
         state, rank_state = checkpoint.load(engine, where, rank)
         step = int(state.get("step", engine.global_steps))
-        if "data" in rank_state:
+        if saved is not None:  # the data position, recounted for this world size
+            rank0 = torch.load(original[0] / original[1] / "rng_state_0.pt", weights_only=False)
+            order.load_state_dict(checkpoint.remap_data_position(rank0["data"], cfg.per_device_train_batch_size, world))
+        elif "data" in rank_state:
             order.load_state_dict(rank_state["data"])
         log(f"resume: loaded {where[0] / where[1]} at step {step}")
     elif resume is not None:

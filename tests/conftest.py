@@ -114,8 +114,9 @@ def trained(tmp_path_factory):
                 pytest.skip("NVMe offload needs libaio: apt-get install libaio-dev (not a pass: not run here)")
             out = tmp_path_factory.mktemp(f"{name}-{precision}")
             extra = ["--nvme_path", str(out / "nvme")] if "nvme" in name else []
+            # a checkpoint at step 4 too, so resume tests can start from these runs' middle
             runs[name, precision] = launch(FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision],
-                                                   "--verify_export", *extra], out / "run")
+                                                   "--verify_export", "--save_steps", "4", *extra], out / "run")
         return runs[name, precision]
 
     return get

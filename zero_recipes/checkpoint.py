@@ -120,6 +120,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+LAYOUT = "layout.json"  # per checkpoint: the world size and ZeRO stage that saved it
+UNIVERSAL_SUFFIX = "-universal"
 HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
 
 
@@ -140,6 +142,10 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     # ranks finish theirs (engine.save_checkpoint, 0.19.8), so a rank killed mid-save could leave `latest`
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
     # every rank's files exist, and atomically.
+    if rank == 0:  # what a later resume compares against its own world size and stage
+        (d / tag).mkdir(parents=True, exist_ok=True)
+        (d / tag / LAYOUT).write_text(json.dumps({"world": engine.dp_world_size, "step": step,
+                                                  "zero_stage": int(engine.zero_optimization_stage())}))
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
     _test_fault_point("in_save", step, rank)
     torch.distributed.barrier()
@@ -152,8 +158,60 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     if rank == 0 and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.with_name(old.name + UNIVERSAL_SUFFIX), ignore_errors=True)
     torch.distributed.barrier()
     return d / tag
+
+
+def layout_change(where: tuple[Path, str], world: int, stage: int) -> Optional[dict]:
+    """The saved (world, stage) when they differ from this run's; None when they match. A change
+    DeepSpeed's universal checkpoint cannot make is refused with one line."""
+    f = where[0] / where[1] / LAYOUT
+    if not f.is_file():
+        return None  # saved before layouts were recorded: load as is
+    saved = json.loads(f.read_text())
+    if saved["world"] == world and saved["zero_stage"] == stage:
+        return None
+    a, b = saved["zero_stage"], stage
+    if a == 0 or b == 0 or (a == 3) != (b == 3):
+        raise ConfigError(f"cannot resume a ZeRO-{a} checkpoint as ZeRO-{b}: DeepSpeed's universal checkpoint changes "
+                          "the world size for ZeRO-1/2/3 and converts between ZeRO-1 and 2, nothing else. Resume "
+                          f"with ZeRO-{a}, or export it (tools/export_hf.py) and start from the export with "
+                          "--model_name_or_path")
+    return saved
+
+
+def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
+    """Convert a checkpoint once with DeepSpeed's own ds_to_universal (rank 0; the others wait)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    load_dir, tag = where
+    out = load_dir / (tag + UNIVERSAL_SUFFIX)
+    error = [None]
+    if rank == 0 and not (out / "zero").is_dir():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(load_dir / tag), "--output_folder", str(tmp), "--inject_missing_state"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"converting {load_dir / tag} to a universal checkpoint failed: " + \
+                (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        else:
+            tmp.replace(out)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ConfigError(error[0])
+    return load_dir, out.name
+
+
+def remap_data_position(saved: dict, micro: int, world: int) -> dict:
+    """The same rows consumed, counted in this run's micro-batches x ranks (rounded down)."""
+    rows = saved["index"] * saved["micro"] * saved["world"]
+    return {"epoch": saved["epoch"], "index": rows // (micro * world), "world": world, "micro": micro}
 
 
 def _test_fault_point(where: str, step: int, rank: int) -> None:
