@@ -53,6 +53,12 @@ class Run:
         return self
 
 
+def remove_shm(port) -> None:
+    """A SIGKILLed rank cannot remove its DeepSpeed shm segment (69 MB); tests that kill one clean up."""
+    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        f.unlink(missing_ok=True)
+
+
 def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "deepspeed",
            timeout: int = 600, env: dict | None = None) -> Run:
     port = str(free_port())

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import FAST, REPO, free_port, launch
+from conftest import FAST, REPO, free_port, launch, remove_shm
 
 ARGS = [a for a in FAST] + ["--deepspeed", "ds_configs/zero2.json"]
 ARGS[ARGS.index("--max_steps") + 1] = "60"
@@ -20,10 +20,13 @@ ARGS[ARGS.index("--save_steps") + 1] = "5"
 def start(output_dir):
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *ARGS,
+    port = free_port()
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "train.py", *ARGS,
            "--output_dir", str(output_dir)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.port = port
+    return proc
 
 
 def wait_for_steps(output_dir, proc, n, timeout=300):
@@ -80,6 +83,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
     killed = time.time()
     log = proc.communicate(timeout=120)[0]
     exit_seconds = time.time() - killed
+    remove_shm(proc.port)
     assert proc.returncode != 0
     assert exit_seconds < 60, f"job took {exit_seconds:.1f}s to exit after a rank died"
     print(f"dead rank: job exited {exit_seconds:.1f}s after SIGKILL of rank 1 (code {proc.returncode})")
@@ -94,6 +98,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
 def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     out = tmp_path / "run"
     killed = launch(ARGS, out, env={"ZERO_RECIPES_TEST_KILL": "in_save:10:1"})
+    remove_shm(killed.port)
     assert killed.proc.returncode != 0
     assert (out / "checkpoints" / "step-10").is_dir()  # rank 0 finished its files; rank 1 died in the save
     assert latest(out) == "step-5"  # never the partial one

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import CONFIGS, FAST, launch
+from conftest import CONFIGS, FAST, launch, remove_shm
 
 ZERO2 = ["--deepspeed", "ds_configs/zero2.json"]
 
@@ -43,6 +43,7 @@ def test_a_killed_run_resumes_bit_for_bit(name, trained, tmp_path):
     full = trained(name, "fp32").check()
     args = FAST + ["--deepspeed", *CONFIGS[name], "--save_steps", "4"]
     killed = launch(args, tmp_path / "run", env={"ZERO_RECIPES_TEST_KILL": "after_save:4:1"})
+    remove_shm(killed.port)
     assert killed.proc.returncode != 0 and (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-4"
     resumed = launch(args, tmp_path / "run").check()
     assert "resume: loaded" in resumed.log and "step-4 at step 4" in resumed.log
