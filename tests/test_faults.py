@@ -116,3 +116,27 @@ def test_a_nan_loss_stops_with_the_step_and_saves_no_nan_checkpoint(tmp_path):
     assert "the last good checkpoint is step-5" in errors[0]
     assert latest(out) == "step-5" and not (out / "checkpoints" / "step-10").exists()
     assert [r["step"] for r in run.records if "loss" in r] == []  # nothing non-finite was logged either
+
+
+def test_fp16_overflow_lines_survive_the_quiet_deepspeed_logger():
+    """fp16 does not run on this CPU, so the overflow path is checked at the logger: DeepSpeed's own
+    overflow line (its exact wording, at INFO) still reaches the user while its INFO chatter does not."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    from zero_recipes import distributed
+
+    distributed.quiet_deepspeed()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    overflow = "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, reducing to 32768"
+    try:
+        logger.info(overflow)
+        logger.info("Reduce bucket size 500000000")
+        logger.warning("a warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [overflow, "a warning"]

@@ -66,8 +66,20 @@ def quiet_deepspeed() -> None:
 
     from deepspeed.utils import logger
 
-    if not os.environ.get("ZERO_RECIPES_DEBUG"):
-        logger.setLevel(logging.WARNING)
+    if not os.environ.get("ZERO_RECIPES_DEBUG") and not any(isinstance(f, _KeepWarningsAndOverflows)
+                                                             for f in logger.filters):
+        logger.setLevel(logging.INFO)
+        logger.addFilter(_KeepWarningsAndOverflows())
+
+
+class _KeepWarningsAndOverflows:
+    """DeepSpeed reports an fp16 overflow (the skipped step and its loss scale) at INFO, among hundreds of
+    INFO lines of chatter; keep those and the warnings."""
+
+    def filter(self, record) -> bool:
+        import logging
+
+        return record.levelno >= logging.WARNING or "OVERFLOW" in str(record.msg)
 
 
 def remove_shm_segment() -> None:
