@@ -370,21 +370,15 @@ if __name__ == "__main__":
         code = 2
     except KeyboardInterrupt:
         code = 130
-    except Exception as e:
-        if "loss scale already at minimum" not in str(e):  # DeepSpeed's fp16 loss scaler gives up
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        else:
+    except BaseException as e:
+        if "loss scale already at minimum" in str(e):  # DeepSpeed's fp16 loss scaler gives up
             if int(os.environ.get("RANK", 0)) == 0:
                 print("error: fp16 loss scale hit its minimum: the gradients keep overflowing. Use bf16 "
                       "(ds_configs/bf16.json), lower --learning_rate, or lower min_loss_scale in the fp16 block",
                       file=sys.stderr, flush=True)
-            code = 1
-    except BaseException:
-        import traceback
+        else:
+            import traceback
 
-        traceback.print_exc()
+            traceback.print_exc()
         code = 1
     distributed.finish(code)

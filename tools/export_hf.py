@@ -13,7 +13,6 @@ output dtype. It runs on one CPU process whatever the world size that saved the 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import sys
@@ -22,26 +21,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zero_recipes.checkpoint import HF_FILES  # noqa: E402
+from zero_recipes.checkpoint import HF_FILES, find_checkpoint  # noqa: E402
 from zero_recipes.config import ConfigError  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def locate(path: Path) -> tuple[Path, str]:
-    """(directory holding the tag dirs, tag) for an output_dir, its checkpoints/ dir or a step-N dir."""
-    for base in (path / "checkpoints", path):
-        latest = base / "latest"
-        if latest.is_file():
-            tag = latest.read_text().strip()
-            if not (base / tag).is_dir():
-                raise ConfigError(f"{latest} names '{tag}', which is missing from {base}; pass an existing "
-                                  f"checkpoint directory: {', '.join(sorted(p.name for p in base.glob('step-*'))) or 'none'}")
-            return base, tag
-    if path.is_dir() and glob.glob(str(path / "*model_states.pt")):
-        return path.parent, path.name
-    raise ConfigError(f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
-                      "or a checkpoints/step-N directory")
+    """(directory holding the tag dirs, tag), found as `--resume_from_checkpoint` finds it."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
+                          "or a checkpoints/step-N directory")
+    return found
 
 
 def check_complete(ckpt: Path) -> int:

@@ -86,6 +86,23 @@ def write_run_config(output_dir: Path, signature: dict, ds_config: dict) -> None
     (output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
 
+def find_checkpoint(p: Path) -> Optional[tuple[Path, str]]:
+    """(directory holding the tag dirs, tag) for an output_dir, its checkpoints/ dir or a step-N dir; None
+    when there is none. A `latest` that names a missing tag is an error, not a silent fallback."""
+    for base in (p / "checkpoints", p):
+        latest = base / "latest"
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not (base / tag).is_dir():
+                have = ", ".join(sorted(x.name for x in base.glob("step-*"))) or "none"
+                raise ConfigError(f"{latest} names '{tag}', which is missing from {base}; pass an existing "
+                                  f"checkpoint directory: {have}")
+            return base, tag
+    if p.is_dir() and any(p.glob("*model_states.pt")):
+        return p.parent, p.name
+    return None
+
+
 def resolve_resume(output_dir: Path, request: Optional[str]) -> Optional[tuple[Path, str]]:
     """'auto' -> the newest complete checkpoint or None; a path -> (checkpoints dir, tag)."""
     if request is None:
@@ -93,13 +110,9 @@ def resolve_resume(output_dir: Path, request: Optional[str]) -> Optional[tuple[P
     if request == "auto":
         tag = latest_tag(output_dir)
         return (checkpoints_dir(output_dir), tag) if tag else None
-    p = Path(request)
-    if (p / "latest").is_file():
-        return p, (p / "latest").read_text().strip()
-    if p.is_dir() and any(p.glob("*model_states.pt")):
-        return p.parent, p.name
-    if (p / "checkpoints" / "latest").is_file():
-        return p / "checkpoints", (p / "checkpoints" / "latest").read_text().strip()
+    found = find_checkpoint(Path(request))
+    if found:
+        return found
     raise ConfigError(f"--resume_from_checkpoint {request}: no DeepSpeed checkpoint there; give 'auto', an "
                       "output_dir, its checkpoints/ directory or a checkpoints/step-N directory")
 
