@@ -21,3 +21,19 @@ def test_data_benchmark_quick(tmp_path):
     assert packing["with_packing"]["utilisation"] > packing["without_packing"]["utilisation"]
     assert first["cold_seconds"] > 0 and first["cached_seconds"] > 0
     assert r["versions"]["deepspeed"] and r["machine"]["cores"] > 0
+
+
+def test_export_benchmark_samples_the_memory_a_child_allocates():
+    """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
+    must read as about 300 MB more than one that allocates nothing."""
+    sys.path.insert(0, str(REPO))
+    from tools.bench.export import peak_memory
+
+    def child(nbytes):
+        return peak_memory([sys.executable, "-c", f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * "
+                            f"len(b[::4096]); time.sleep(0.5)"])
+
+    idle, busy = child(0), child(300_000_000)
+    grew = busy["RssAnon"] - idle["RssAnon"]
+    assert 280e6 <= grew <= 330e6, (idle, busy)
+    assert busy["VmRSS"] >= busy["RssAnon"]

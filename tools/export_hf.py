@@ -43,7 +43,7 @@ def check_complete(ckpt: Path) -> int:
     model_files = sorted(ckpt.glob("*model_states.pt"))
     if not model_files:
         raise ConfigError(f"{ckpt} has no model_states.pt file: the save did not finish; export an earlier checkpoint")
-    state = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    state = torch.load(model_files[0], map_location="cpu", weights_only=False, mmap=True)  # only its header is read
     stage = int(state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     world = int(state.get("dp_world_size", 1))
     optim = sorted(ckpt.glob("*optim_states.pt"))

@@ -1,0 +1,67 @@
+"""What every benchmark shares: the machine and versions for the report, ports, checked child processes."""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment() -> dict:
+    import datasets
+    import deepspeed
+    import tokenizers
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+               if line.startswith("MemTotal"))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+                         "datasets": datasets.__version__, "tokenizers": tokenizers.__version__},
+            "machine": {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+                        "ram_gib": round(mem / 2**20, 1), "gpus": gpus}}
+
+
+def yes(met: bool) -> str:
+    return "yes" if met else "**no**"
+
+
+def run_checked(cmd: list[str], env: dict, timeout: int, what: str) -> str:
+    """Run from the repo root in its own process group (so a timeout also ends the deepspeed launcher's
+    ranks); return stdout+stderr, or print the tail of the output and exit non-zero."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        fail(f"{what} timed out after {timeout}s", output)
+    if proc.returncode != 0:
+        fail(f"{what} failed (exit {proc.returncode})", output)
+    return output
+
+
+def fail(message: str, output: str) -> None:
+    print(f"error: {message}\n---- last output ----\n{output[-4000:]}", file=sys.stderr)
+    sys.exit(1)
