@@ -136,11 +136,10 @@ def main(argv: list[str]) -> int:
     if where is not None:
         state, rank_state = checkpoint.load(engine, where, rank)
         step = int(state.get("step", engine.global_steps))
-        if saved is not None:  # the data position, recounted for this world size
-            rank0 = torch.load(original[0] / original[1] / "rng_state_0.pt", weights_only=False)
-            order.load_state_dict(checkpoint.remap_data_position(rank0["data"], cfg.per_device_train_batch_size, world))
-        elif "data" in rank_state:
-            order.load_state_dict(rank_state["data"])
+        position = checkpoint.data_position(original, rank_state, saved is not None, cfg.per_device_train_batch_size,
+                                            world)
+        if position is not None:
+            order.load_state_dict(position)
         log(f"resume: loaded {where[0] / where[1]} at step {step}")
     elif resume is not None:
         log(f"resume: no checkpoint in {output_dir}, starting from scratch")

@@ -221,8 +221,16 @@ def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
     return load_dir, out.name
 
 
-def remap_data_position(saved: dict, micro: int, world: int) -> dict:
-    """The same rows consumed, counted in this run's micro-batches x ranks (rounded down)."""
+def data_position(saved_at: tuple[Path, str], rank_state: dict, layout_changed: bool, micro: int,
+                  world: int) -> Optional[dict]:
+    """Where this rank's data order continues. On the same layout, its own saved position; on another world
+    size, rank 0's position recounted: the same rows consumed, in this run's micro-batches x ranks (rounded
+    down). saved_at is the original checkpoint, not its universal conversion (which has no rank files)."""
+    if not layout_changed:
+        return rank_state.get("data")
+    import torch
+
+    saved = torch.load(saved_at[0] / saved_at[1] / "rng_state_0.pt", weights_only=False)["data"]
     rows = saved["index"] * saved["micro"] * saved["world"]
     return {"epoch": saved["epoch"], "index": rows // (micro * world), "world": world, "micro": micro}
 

@@ -1,0 +1,103 @@
+"""Measure what a training step really holds in memory, per rank, on the CPU accelerator.
+
+    deepspeed --num_gpus 2 tools/bench/memory_probe.py --deepspeed ds_configs/zero2.json \
+        --model_config '{"hidden_size": 256, ...}' --per_device_train_batch_size 2 --block_size 256 \
+        --probe_out /tmp/probe.json
+
+It takes train.py's flags and builds the model and engine with the same code (zero_recipes.model,
+zero_recipes.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
+torch.profiler with profile_memory. Every allocation and free of the CPU allocator is an event, so the
+live bytes at each moment are their running sum: exact for torch tensors (DeepSpeed's flat buffers, its
+C++ Adam's states and gloo's staging tensors included), blind to non-torch memory (the Python heap,
+libraries). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
+host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
+
+Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from zero_recipes import distributed, ds_config, model as modeling  # noqa: E402
+from zero_recipes.config import parse_args  # noqa: E402
+from zero_recipes.engine import make_engine  # noqa: E402
+
+PHASES = ("init", "forward_backward", "optimizer_step")
+STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state
+
+
+def timeline(prof) -> dict:
+    """Peak live bytes per phase, and the live bytes after init and after the last step."""
+    events = prof.profiler.kineto_results.events()
+    marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:"):]) for e in events
+                   if e.name().startswith("phase:"))
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    live, peak, after_init = 0, dict.fromkeys(PHASES, 0), None
+    i = 0
+    for t, nbytes in mem:
+        live += nbytes
+        while i < len(marks) and marks[i][1] < t:
+            if marks[i][2] == "init":
+                after_init = live - nbytes
+            i += 1
+        phase = next((name for start, end, name in marks if start <= t <= end), None)
+        if phase:
+            peak[phase] = max(peak[phase], live)
+    return {"peak": peak, "after_init": after_init if after_init is not None else live, "end": live}
+
+
+def main(argv: list[str]) -> int:
+    out = argv[argv.index("--probe_out") + 1]
+    argv = [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
+    cfg, explicit = parse_args(argv + ["--max_steps", str(STEPS)])
+    rank, _local_rank, world, local_world = distributed.rank_info()
+    distributed.set_threads(local_world)
+    distributed.init()
+    distributed.quiet_deepspeed()
+    model_config = modeling.load_model_config(cfg)
+    ds, _ = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world,
+                              modeling.hidden_size(model_config), STEPS)
+    dtype = torch.bfloat16 if ds["bf16"]["enabled"] else torch.float32
+    from transformers.integrations import HfDeepSpeedConfig
+
+    modeling.causal_lm_class(model_config)
+    vocab = model_config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
+               for _ in range(STEPS * cfg.gradient_accumulation_steps)]
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("phase:init"):
+            hf_ds = HfDeepSpeedConfig(ds)  # noqa: F841 -- alive while the model is built, as in train.py
+            model = modeling.build_model(cfg, model_config, torch.float32, rank)
+            engine = make_engine(cfg, model, ds, STEPS)
+        engine.train()
+        for ids in batches:
+            with record_function("phase:forward_backward"):
+                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+                engine.backward(loss)
+            with record_function("phase:optimizer_step"):
+                engine.step()
+    mine = timeline(prof)
+    mine["num_params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    mine["dtype"] = str(dtype).replace("torch.", "")
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
+    distributed.finish(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
