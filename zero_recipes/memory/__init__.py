@@ -1,0 +1,5 @@
+"""Memory arithmetic in one tested place: model states and buffers by ZeRO stage (states), activations
+traced through the real model code (activations), and the estimate that combines them (estimate)."""
+
+from .activations import Activations, activation_bytes  # noqa: F401
+from .estimate import Estimate, Launch, ModelShape, estimate, parse_memory, rank_total, training_compute  # noqa: F401

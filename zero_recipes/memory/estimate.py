@@ -1,0 +1,163 @@
+"""The whole estimate for one launch: model states and buffers (states.py), activations (activations.py),
+the phase that sets the peak, host memory per node, and whether it fits. Also the table of what fits
+across GPU counts and configs, and the compute/time/energy of a token budget.
+
+The peak is the maximum over phases, never a sum of everything: activations live only in
+forward/backward, the optimizer's transients only in its step, and init (where ZeRO-1/2 build the whole
+model on every rank) only before either.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from ..config import ConfigError
+from .activations import Activations, activation_bytes
+from .states import PHASES, Setup, phases
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# Board power in watts (datasheet TDP/TBP of the SXM or PCIe part named), for energy = power x time.
+BOARD_POWER_W = {"H200": 700, "H100": 700, "A100": 400, "L40S": 350, "A10G": 150, "RTX 4090": 450,
+                 "V100": 300, "MI300X": 750}
+
+
+def parse_memory(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"cannot read memory size '{text}'; write it like 80GiB, 24GB or 81920MiB")
+    unit = (m.group(2) or "").lower()
+    unit = unit if unit.endswith("b") or unit == "" else unit + "b"
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+@dataclass
+class ModelShape:
+    num_params: int
+    largest_param: int
+
+    @classmethod
+    def of(cls, config) -> "ModelShape":
+        """Built on the meta device from the config alone: no weights read, no memory."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = {id(p): p for p in model.parameters()}.values()  # a tied lm_head counts once
+        return cls(sum(p.numel() for p in params), max(p.numel() for p in params))
+
+
+@dataclass
+class Launch:
+    num_gpus: int = 1  # per node
+    num_nodes: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    adam_temporaries: bool = False  # True on a CPU (single-tensor AdamW); CUDA uses fused AdamW
+
+    @property
+    def world(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+
+@dataclass
+class Estimate:
+    num_params: int
+    precision: str
+    zero_stage: int
+    offload: dict
+    per_gpu: dict
+    per_node: dict
+    phases: dict
+    activations_method: str
+    fits: bool | None = None
+    notes: list = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def precision_of(ds: dict) -> str:
+    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+
+def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = None,
+             activations: Activations | None = None, gpu_memory: int | None = None) -> Estimate:
+    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it."""
+    import torch
+
+    from ..ds_config import offloads, zero_stage
+
+    shape = shape or ModelShape.of(model_config)
+    precision = precision_of(ds)
+    p = 4 if precision == "fp32" else 2
+    stage = zero_stage(ds)
+    off_opt, off_par = offloads(ds)
+    zero = ds.get("zero_optimization", {})
+    setup = Setup(shape.num_params, shape.largest_param, launch.world, stage, p, precision != "fp32", off_opt, off_par,
+                  zero, launch.adam_temporaries)
+    by_phase = phases(setup)
+    if activations is None:
+        dtype = torch.float32 if p == 4 else torch.bfloat16
+        activations = activation_bytes(model_config, launch.micro_batch_size, launch.seq_len, dtype,
+                                       launch.gradient_checkpointing, launch.attn_implementation)
+    table = {}
+    for name in PHASES:
+        b = by_phase[name]
+        act = 0
+        if name == "forward_backward":
+            fwd = by_phase["forward"]
+            if fwd.device + activations.bytes > b.device:  # the forward's peak: activations on the steady states
+                b, act = fwd, activations.bytes
+        table[name] = {"device_bytes": b.device + act, "model_states_bytes": b.states, "buffers_bytes": b.buffers,
+                       "activations_bytes": act, "host_bytes": b.host_states + b.host_buffers}
+    peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
+    top = table[peak_phase]
+    # Host memory per node: offloaded states (pinned when pin_memory), and at init without zero.Init every
+    # rank materialises the whole model in fp32 on the host before DeepSpeed moves it.
+    host_states = max(t["host_bytes"] for t in table.values())
+    init_host = 4 * shape.num_params if stage < 3 else 4 * shape.num_params // launch.world
+    nvme = {off_opt, off_par} & {"nvme"}
+    offloaded_to_host = 0 if nvme else host_states
+    pinned = any(isinstance(zero.get(k), dict) and zero[k].get("pin_memory") for k in ("offload_optimizer", "offload_param"))
+    per_node = {"cpu_bytes": launch.num_gpus * max(offloaded_to_host, init_host),
+                "pinned_bytes": launch.num_gpus * offloaded_to_host if pinned else 0,
+                "nvme_bytes": launch.num_gpus * host_states if nvme else 0}
+    per_gpu = {"peak_bytes": top["device_bytes"], "peak_phase": peak_phase,
+               "model_states_bytes": top["model_states_bytes"], "activations_bytes": top["activations_bytes"],
+               "buffers_bytes": top["buffers_bytes"]}
+    fits = None if gpu_memory is None else per_gpu["peak_bytes"] <= gpu_memory
+    return Estimate(shape.num_params, precision, stage, {"optimizer": off_opt, "param": off_par}, per_gpu, per_node,
+                    table, activations.method, fits)
+
+
+def rank_total(e: Estimate, phase: str) -> int:
+    """Device plus this rank's host bytes in one phase: what one rank holds on a CPU accelerator."""
+    t = e.phases[phase]
+    return t["device_bytes"] + t["host_bytes"]
+
+
+def training_compute(model_config, num_params: int, tokens: float, seq_len: int, gpus: int, device: str,
+                     dtype: str, mfu: float, power_w: float | None) -> dict:
+    """Total FLOPs (6N per token plus attention, the FLOPs function train.py uses), wall time and GPU-hours at
+    the stated MFU, and energy at board power."""
+    from ..metrics import model_flops_per_token, peak_flops_from_table
+
+    flops = model_flops_per_token(model_config, seq_len) * tokens
+    peak = peak_flops_from_table(device, dtype)
+    if peak is None:
+        raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of "
+                          f"{', '.join(BOARD_POWER_W)}")
+    seconds = flops / (gpus * peak * mfu)
+    power = power_w or next((w for k, w in BOARD_POWER_W.items() if k.lower() in device.lower()), None)
+    out = {"tokens": tokens, "total_flops": flops, "six_n_d_flops": 6 * num_params * tokens, "device": device,
+           "peak_flops_per_gpu": peak, "mfu": mfu, "gpus": gpus, "wall_seconds": seconds,
+           "gpu_hours": seconds * gpus / 3600}
+    if power:
+        out.update(board_power_w=power, energy_kwh=power * gpus * seconds / 3.6e6)
+    return out
