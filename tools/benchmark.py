@@ -10,6 +10,9 @@
     # peak host memory of tools/export_hf.py on 2-rank ZeRO-2/3 checkpoints of a ~91M-parameter model
     python tools/benchmark.py export                    # --quick: a ~7M-parameter model
 
+    # tools/estimate_memory.py against real DeepSpeed runs on the CPU (benchmarks/estimator.md)
+    python tools/benchmark.py estimator                 # --quick: 2 points
+
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} with the date, versions and machine. The
 code lives in tools/bench/, one module per benchmark.
 """
@@ -22,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zero_recipes and tools.bench
 
-from tools.bench import data, export  # noqa: E402
+from tools.bench import data, estimator, export  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export):
+    for module in (data, export, estimator):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

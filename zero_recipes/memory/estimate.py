@@ -118,10 +118,11 @@ def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = 
                        "activations_bytes": act, "host_bytes": b.host_states + b.host_buffers}
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
-    # Host memory per node: offloaded states (pinned when pin_memory), and at init without zero.Init every
-    # rank materialises the whole model in fp32 on the host before DeepSpeed moves it.
+    # Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
+    # rank materialises the whole model on the host (fp32 for a random init) before DeepSpeed moves it; with
+    # it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time.
     host_states = max(t["host_bytes"] for t in table.values())
-    init_host = 4 * shape.num_params if stage < 3 else 4 * shape.num_params // launch.world
+    init_host = 4 * shape.num_params if stage < 3 else min(5 * 10**9, 2 * shape.num_params)
     nvme = {off_opt, off_par} & {"nvme"}
     offloaded_to_host = 0 if nvme else host_states
     pinned = any(isinstance(zero.get(k), dict) and zero[k].get("pin_memory") for k in ("offload_optimizer", "offload_param"))

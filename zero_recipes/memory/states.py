@@ -81,6 +81,9 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         host = dict.fromkeys(total, 0.0)
     elif s.stage in (1, 2) and not off_opt:
         steady = p + 12 / N  # low-precision params, fp32 master + Adam partitions
+        # measured, not in the paper: ZeRO-2 on several ranks holds ~1 B/param more (reduce-scatter staging)
+        staging = 1.0 if s.stage == 2 and N > 1 else 0.0
+        steady += staging
         grads = p + p / N if s.stage == 1 else p / N  # ZeRO-1 keeps full grads until the step
         # ZeRO-2: the grad of the param in flight (reduced, then copied into the partition) and the bucket
         extra = 0 if s.stage == 1 else 2 * p * f + bucket
@@ -89,8 +92,8 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
                  "optimizer_step": steady + (p + 4 + temp) / N,
                  # the fp32-built model, its low-precision flat copy, the fp32 partition
                  "init": 4 + p + 4 / N}
-        states = {"steady": steady, "forward_backward": steady + grads, "optimizer_step": steady + (p + 4) / N,
-                  "init": 4 + 4 / N}
+        states = {"steady": steady - staging, "forward_backward": steady - staging + grads,
+                  "optimizer_step": steady - staging + (p + 4) / N, "init": 4 + 4 / N}
         host = dict.fromkeys(total, 0.0)
     elif s.stage in (1, 2):
         # Optimizer offload: master, Adam and an fp32 grad partition live on the host (16/N); measured beyond
@@ -99,8 +102,9 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         total = {"steady": steady, "forward_backward": steady + p * (1 + f),
                  "optimizer_step": steady + (p if N > 1 else 0), "init": p + 1 + 10 / N}
         states = {"steady": p + 16 / N, "forward_backward": p + 16 / N + p, "optimizer_step": p + 16 / N,
-                  "init": p + 4 / N}
-        host = {k: (0.0 if k == "init" else 16 / N) for k in total}
+                  "init": p + 16 / N}
+        # init: the low-precision model and its flat copy go to the device, the fp32 partitions to the host
+        host = {k: (total[k] - 2 * p if k == "init" else 16 / N) for k in total}
     else:
         # ZeRO-3. Measured: what stays gathered between steps plus the sub-group gradient buffer,
         # ~(1.2p + 0.3) B per parameter, capped like the gathered params (max_live_parameters +
@@ -110,15 +114,17 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         gathered = p * min(1 - 1 / N, cap / P)  # forward/backward: the other ranks' shards, up to the cap
         part = (2 * p + 12) / N  # params, grads, master, Adam: all partitioned
         if off_opt:
-            part = (p + 16) / N  # grads live in the host's fp32 partition
+            # grads live in the host's fp32 partition (16/N with master and Adam); measured beyond that:
+            # ~2/N of pinned staging, and ~p/2 more in backward while grads stream to the host
+            part = (p + 18) / N
         steady = resident + part
-        total = {"steady": steady, "forward_backward": steady + gathered + 2 * p * f + bucket,
+        total = {"steady": steady, "forward_backward": steady + gathered + 2 * p * f + bucket + (p / 2 if off_opt else 0),
                  "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
                  "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N}
         host_part = (16 / N if off_opt else 0) + (p / N if off_par else 0)
         states = {k: part for k in total}
-        states["init"] = p / N
-        host = {k: (0.0 if k == "init" else host_part) for k in total}
+        states["init"] = part
+        host = dict.fromkeys(total, host_part)  # with offload, zero.Init builds the partitions on the host
     # What is live during the forward, before any grad exists: activations add to this, while the grads'
     # transient comes after most activations are freed (measured: the fwd/bwd peak is the larger of the two)
     forward_extra = (p * min(1 - 1 / N, cap / P) if s.stage == 3 else 0)

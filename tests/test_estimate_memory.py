@@ -1,0 +1,200 @@
+"""tools/estimate_memory.py: each component checked against measurement on the CPU (real DeepSpeed through the
+launcher, the torch profiler's allocator events), the CLI offline on local config.json files, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, free_port
+
+sys.path.insert(0, str(REPO))
+
+from zero_recipes.memory import Launch, activation_bytes, estimate, parse_memory, rank_total  # noqa: E402
+
+SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 688, "vocab_size": 8000}
+# the estimate may be over by up to 10 % and under by up to 5 % (the issue's target)
+OVER, UNDER = 0.10, 0.05
+
+
+def llama(**kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", **{**SMALL, **kw})
+
+
+def measured_fwd_bwd(config, micro, seq, dtype, gc) -> int:
+    """Peak live bytes of a real forward+backward (grads dropped as ZeRO does), from the allocator events."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    ids = torch.randint(0, config.vocab_size, (micro, seq))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    live = peak = 0
+    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                       if e.name() == "[memory]"):
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype,gc,attn", [(torch.bfloat16, False, "sdpa"), (torch.bfloat16, True, "sdpa"),
+                                           (torch.float32, False, "eager")], ids=["bf16", "bf16-gc", "fp32-eager"])
+def test_activations_match_a_real_forward_backward(dtype, gc, attn):
+    config = llama(attn_implementation=attn)
+    predicted = activation_bytes(config, 2, 256, dtype, gc, attn)
+    assert predicted.method == "traced"
+    real = measured_fwd_bwd(config, 2, 256, dtype, gc)
+    assert -UNDER <= predicted.bytes / real - 1 <= OVER, (predicted.bytes, real)
+
+
+def test_activation_terms_move_the_right_way():
+    """Checkpointing saves memory, eager attention costs its s x s matrix, a longer sequence costs more."""
+    bf16 = torch.bfloat16
+    plain = activation_bytes(llama(), 2, 256, bf16, False).bytes
+    assert activation_bytes(llama(), 2, 256, bf16, True).bytes < plain
+    assert activation_bytes(llama(), 2, 256, bf16, False, "eager").bytes > plain
+    assert activation_bytes(llama(), 2, 512, bf16, False).bytes > 1.9 * plain
+
+
+def probe(tmp_path, configs, ranks, micro=1, seq=16):
+    out = tmp_path / "probe.json"
+    launcher = [sys.executable] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
+                                                     str(free_port())]
+    proc = subprocess.run(launcher + ["tools/bench/memory_probe.py", "--deepspeed", *configs, "--model_config",
+                                      json.dumps(SMALL), "--per_device_train_batch_size", str(micro), "--block_size",
+                                      str(seq), "--probe_out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("configs,ranks", [
+    (["ds_configs/zero2.json", "ds_configs/bf16.json"], 2),
+    (["ds_configs/zero3.json"], 1),
+    (["ds_configs/zero1.json"], 2),
+], ids=["zero2-bf16-2ranks", "zero3-fp32-1rank", "zero1-fp32-2ranks"])
+def test_model_states_match_real_deepspeed(configs, ranks, tmp_path):
+    """Every phase's estimate against what DeepSpeed really allocated, on its most loaded rank. ZeRO-3 on
+    several ranks is left to benchmarks/estimator.md: with overlap_comm its peak moves by ~15 % from run
+    to run (measured), more than this test's target band."""
+    measured = probe(tmp_path, configs, ranks)
+    e = estimate(llama(), measured["ds_config"], Launch(ranks, 1, 1, 16, adam_temporaries=True))
+    rank = max(measured["ranks"], key=lambda r: max(r["peak"].values()))
+    n = rank["num_params"]
+    assert e.num_params == n  # the meta-device count matches the engine's
+    for phase in ("forward_backward", "optimizer_step"):
+        err = rank_total(e, phase) / rank["peak"][phase] - 1
+        assert -UNDER <= err <= OVER, (phase, rank_total(e, phase), rank["peak"][phase])
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "tools/estimate_memory.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "llama", **SMALL, "max_position_embeddings": 4096}))
+    return p
+
+
+def test_json_output_offline_from_a_local_config(config_json):
+    proc = run_cli("--model", str(config_json), "--deepspeed", "ds_configs/zero3.json", "ds_configs/bf16.json",
+                   "--num_gpus", "8", "--micro_batch_size", "2", "--seq_len", "1024", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    g = out["per_gpu"]
+    assert out["num_params"] == 7_000_000 - 1_728  # 2 x 8000 x 256 embeddings + 4 layers, counted on meta
+    assert g["peak_phase"] in ("init", "forward_backward", "optimizer_step") and out["fits"] is None
+    assert g["peak_bytes"] == out["phases"][g["peak_phase"]]["device_bytes"]
+    assert g["peak_bytes"] >= g["model_states_bytes"] + g["activations_bytes"] + g["buffers_bytes"] - 1
+    assert {"cpu_bytes", "pinned_bytes"} <= set(out["per_node"])
+    # the peak is the largest phase, not the sum of all of them
+    assert g["peak_bytes"] == max(p["device_bytes"] for p in out["phases"].values())
+
+
+def test_fits_and_offload_moves_states_to_the_host(config_json):
+    base = ["--model", str(config_json), "--seq_len", "1024", "--json"]
+    plain = json.loads(run_cli(*base, "--deepspeed", "ds_configs/zero3.json", "ds_configs/bf16.json",
+                               "--gpu_memory", "1GiB").stdout)
+    off = json.loads(run_cli(*base, "--deepspeed", "ds_configs/zero3.json", "ds_configs/offload_all.json",
+                             "ds_configs/bf16.json", "--gpu_memory", "10MB").stdout)
+    assert plain["fits"] is True and off["fits"] is False
+    assert off["per_gpu"]["model_states_bytes"] < plain["per_gpu"]["model_states_bytes"]
+    assert off["per_node"]["pinned_bytes"] > 0 and plain["per_node"]["pinned_bytes"] == 0
+
+
+def test_recipe_and_auto_precision_note():
+    proc = run_cli("--recipe", "recipes/tiny-llama.yaml", "--deepspeed", "ds_configs/zero2.json", "--num_gpus", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "micro-batch 16 x 256 tokens" in proc.stdout  # taken from the recipe
+    assert "fp32 assumed" in proc.stdout and "<- peak" in proc.stdout
+
+
+def test_table_marks_what_fits_and_recommends_the_least_offload(config_json):
+    proc = run_cli("--model", str(config_json), "--deepspeed", "ds_configs/bf16.json", "--seq_len", "512",
+                   "--table", "--gpu_memory", "120MB", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t = json.loads(proc.stdout)
+    assert {r["num_gpus"] for r in t["rows"]} == {1, 2, 4, 8, 16, 32, 64}
+    one = {(r["config"], r["gradient_checkpointing"]): r for r in t["rows"] if r["num_gpus"] == 1}
+    assert not one["zero1", False]["fits"] and one["zero3+offload_all", True]["fits"]
+    rec = t["recommended"]["1"]
+    assert rec["config"].endswith("offload_optimizer") or rec["config"] == "zero3+offload_all"
+    assert t["recommended"]["64"]["config"] in ("zero1", "zero2", "zero3")  # enough GPUs: no offload needed
+    assert rec["max_micro_batch_size"] >= 1
+
+
+def test_tokens_gives_compute_consistent_with_6nd(tmp_path):
+    p = tmp_path / "70b.json"
+    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+                             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                             "vocab_size": 128256, "max_position_embeddings": 8192}))
+    proc = run_cli("--model", str(p), "--deepspeed", "ds_configs/zero3.json", "ds_configs/bf16.json", "--num_gpus",
+                   "8", "--num_nodes", "8", "--seq_len", "4096", "--gradient_checkpointing", "--tokens", "1e12",
+                   "--gpu", "H100", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads(proc.stdout)["compute"]
+    assert 1.0 <= c["total_flops"] / c["six_n_d_flops"] <= 1.1  # attention adds a few percent at 4k
+    assert c["wall_seconds"] == pytest.approx(c["total_flops"] / (64 * 989e12 * 0.40))
+    assert c["energy_kwh"] == pytest.approx(700 * 64 * c["wall_seconds"] / 3.6e6)
+
+
+def test_parse_memory():
+    assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("24GB") == 24 * 10**9
+    assert parse_memory("512 mib") == 512 * 2**20
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "{tmp}/unknown.json"], "xyz_model"),
+    (["--model", "{tmp}/nohidden.json"], "no hidden_size"),
+    (["--model", "{tmp}/ok.json", "--gpu_memory", "lots"], "cannot read memory size 'lots'"),
+    (["--model", "{tmp}/ok.json", "--num_gpus", "0"], "--num_gpus and --num_nodes must be >= 1"),
+    (["--model", "{tmp}/ok.json", "--deepspeed", "ds_configs/zero2.json", "{tmp}/offload_param.json"],
+     "offload_param needs ZeRO-3"),
+])
+def test_bad_input_is_one_line(args, words, tmp_path):
+    (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "xyz_model", "hidden_size": 64}))
+    (tmp_path / "nohidden.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    (tmp_path / "ok.json").write_text(json.dumps({"model_type": "llama", **SMALL}))
+    (tmp_path / "offload_param.json").write_text(json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--deepspeed" not in args:
+        args += ["--deepspeed", "ds_configs/zero2.json"]
+    proc = run_cli(*args)
+    lines = [x for x in proc.stderr.splitlines() if x.strip() and "WARNING" not in x]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-2000:]
+    assert words in lines[0] and "Traceback" not in proc.stderr

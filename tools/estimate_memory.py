@@ -1,0 +1,258 @@
+"""Will this run fit? Peak memory per GPU and host memory per node, before you launch.
+
+    python tools/estimate_memory.py --model meta-llama/Llama-3.1-8B --deepspeed ds_configs/zero3.json ds_configs/bf16.json \
+        --num_gpus 8 --micro_batch_size 2 --seq_len 4096 --gradient_checkpointing --gpu_memory 80GiB
+    python tools/estimate_memory.py --recipe recipes/tiny-llama.yaml --deepspeed ds_configs/zero2.json --num_gpus 2
+    python tools/estimate_memory.py --model path/to/config.json --table --gpu_memory 80GiB     # what fits where
+    python tools/estimate_memory.py --model path/to/config.json --tokens 1e12 --num_gpus 64 --gpu H100  # compute
+
+--model takes a hub id, a local model directory or a config.json; the architecture is built on the meta
+device from the config alone, so no weights are read and a local config works offline. --deepspeed
+fragments merge and their "auto"s resolve exactly as in train.py. Model states and DeepSpeed's buffers
+come from zero_recipes/memory/states.py (checked against DeepSpeed on the CPU accelerator, see
+benchmarks/estimator.md); activations are traced through the installed transformers model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from zero_recipes.config import ConfigError  # noqa: E402
+
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# fastest first: a lower stage and less offload beat more; gradient checkpointing costs ~1/3 more compute
+TABLE_CONFIGS = [("zero1", ["ds_configs/zero1.json"]), ("zero2", ["ds_configs/zero2.json"]),
+                 ("zero3", ["ds_configs/zero3.json"]),
+                 ("zero2+offload_optimizer", ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"]),
+                 ("zero3+offload_optimizer", ["ds_configs/zero3.json", "ds_configs/offload_optimizer.json"]),
+                 ("zero3+offload_all", ["ds_configs/zero3.json", "ds_configs/offload_all.json"])]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gb(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def load(args, deepspeed: list[str], world: int, micro: int | None = None):
+    """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
+    from zero_recipes import ds_config, model as modeling
+    from zero_recipes.config import parse_args
+
+    argv = ["--recipe", args.recipe] if args.recipe else []
+    if args.model:
+        argv += ["--model_config", args.model] if args.model.endswith(".json") else ["--model_name_or_path", args.model]
+    if micro or args.micro_batch_size or not args.recipe:
+        argv += ["--per_device_train_batch_size", str(micro or args.micro_batch_size or 1)]
+    if args.seq_len:
+        argv += ["--block_size", str(args.seq_len)]
+    if args.gradient_checkpointing:
+        argv += ["--gradient_checkpointing", "true"]
+    if deepspeed:
+        argv += ["--deepspeed", *deepspeed]
+    cfg, explicit = parse_args(argv)
+    if not cfg.deepspeed:
+        raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
+    if args.model and args.model.endswith(".json"):
+        check_config_file(args.model)
+    config = modeling.load_model_config(cfg)
+    hidden = modeling.hidden_size(config)
+    if not hidden:
+        raise ConfigError("the model config has no hidden_size; give a complete config.json (with model_type "
+                          "and hidden_size), a model directory or a hub id")
+    raw = ds_config.load_fragments(cfg.deepspeed)
+    notes = []
+    if all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16")) and cfg.bf16 is None \
+            and cfg.fp16 is None:
+        notes.append('precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
+                     'would train in fp32); add ds_configs/bf16.json for bf16')
+    ds, _ = ds_config.resolve(raw, cfg, explicit, world, hidden, total_steps=1000)
+    check_offload(ds)
+    return cfg, config, ds, notes
+
+
+def check_config_file(path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; give a config.json, a model directory or a hub id")
+    data = json.loads(p.read_text())
+    if not any(k in data or k in data.get("text_config", {}) for k in ("hidden_size", "n_embd", "d_model")):
+        raise ConfigError(f"{path} has no hidden_size; a config.json must give the model's width (hidden_size, or "
+                          "n_embd for GPT-2) so the estimate is of your model, not of a default one")
+    if "model_type" not in data:
+        raise ConfigError(f"{path} has no model_type; add it (e.g. \"model_type\": \"llama\") so the architecture "
+                          "is known")
+
+
+def check_offload(ds: dict) -> None:
+    from zero_recipes.ds_config import offloads, zero_stage
+
+    opt, par = offloads(ds)
+    stage = zero_stage(ds)
+    if par and stage != 3:
+        raise ConfigError(f"offload_param needs ZeRO-3, but the config is ZeRO-{stage}; use ds_configs/zero3.json "
+                          "with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2")
+    if opt and stage == 0:
+        raise ConfigError("offload_optimizer needs ZeRO-1, 2 or 3, but the config is ZeRO-0; use "
+                          "ds_configs/zero2.json with ds_configs/offload_optimizer.json")
+
+
+def one(args, gpu_memory):
+    from zero_recipes.memory import Launch, estimate
+
+    world = args.num_gpus * args.num_nodes
+    cfg, config, ds, notes = load(args, args.deepspeed, world)
+    launch = Launch(args.num_gpus, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size,
+                    cfg.gradient_checkpointing, cfg.attn_implementation or "sdpa")
+    e = estimate(config, ds, launch, gpu_memory=gpu_memory)
+    e.notes = notes
+    return e, cfg, config
+
+
+def print_one(e, cfg, args, gpu_memory) -> None:
+    g, n = e.per_gpu, e.per_node
+    off = ", ".join(f"{k} -> {v}" for k, v in e.offload.items() if v) or "none"
+    print(f"model: {e.num_params / 1e9:.3f}B parameters; ZeRO-{e.zero_stage}, {e.precision}, offload {off}; "
+          f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
+          f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}")
+    for note in e.notes:
+        print(f"note: {note}")
+    print(f"\n{'phase':18s}{'per GPU':>14s}{'states':>14s}{'buffers':>14s}{'activations':>14s}{'host/rank':>14s}")
+    for name, t in e.phases.items():
+        mark = "  <- peak" if name == g["peak_phase"] else ""
+        print(f"{name:18s}{gb(t['device_bytes']):>14s}{gb(t['model_states_bytes']):>14s}{gb(t['buffers_bytes']):>14s}"
+              f"{gb(t['activations_bytes']):>14s}{gb(t['host_bytes']):>14s}{mark}")
+    print(f"\npeak per GPU: {gb(g['peak_bytes'])} in {g['peak_phase']} (activations {e.activations_method})")
+    print(f"host per node: {gb(n['cpu_bytes'])} CPU RAM, of it pinned {gb(n['pinned_bytes'])}"
+          + (f"; NVMe {gb(n['nvme_bytes'])}" if n["nvme_bytes"] else ""))
+    if gpu_memory:
+        print(f"fits in {gb(gpu_memory)}: {'yes' if e.fits else 'NO'}"
+              + ("" if e.fits else "; try --table to see which config fits"))
+
+
+def table(args, gpu_memory) -> dict:
+    """Every GPU count x config x gradient checkpointing; activations traced once per checkpointing choice and
+    scaled by micro-batch (exact for sdpa/flash: they are linear in it)."""
+    import dataclasses
+
+    from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
+
+    cfg, config, ds, notes = load(args, args.deepspeed or TABLE_CONFIGS[0][1], 1)
+    shape = ModelShape.of(config)
+    import torch
+
+    dtype = torch.float32 if not (ds["bf16"]["enabled"] or ds["fp16"]["enabled"]) else torch.bfloat16
+    acts = {gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
+            for gc in (False, True)}
+    rows, best = [], {}
+    extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
+    for n in GPU_COUNTS:
+        world = n * args.num_nodes
+        for gc in (False, True):
+            for name, files in TABLE_CONFIGS:
+                _, _, ds_n, _ = load(args, files + extra, world)
+                act = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * cfg.per_device_train_batch_size)
+                e = estimate(config, ds_n, Launch(n, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size,
+                                                  gc), shape, act, gpu_memory)
+                rows.append({"num_gpus": n, "config": name, "gradient_checkpointing": gc,
+                             "peak_bytes": e.per_gpu["peak_bytes"], "fits": e.fits})
+                if e.fits and n not in best:
+                    # the largest micro-batch that still fits, doubling
+                    micro = cfg.per_device_train_batch_size
+                    while micro < 1024:
+                        act2 = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * micro * 2)
+                        e2 = estimate(config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape,
+                                      act2, gpu_memory)
+                        if not e2.fits:
+                            break
+                        micro *= 2
+                    best[n] = {"config": name, "gradient_checkpointing": gc, "peak_bytes": e.per_gpu["peak_bytes"],
+                               "max_micro_batch_size": micro}
+    return {"num_params": shape.num_params, "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
+            "seq_len": cfg.block_size, "micro_batch_size": cfg.per_device_train_batch_size, "gpu_memory": gpu_memory,
+            "rows": rows, "recommended": best, "notes": notes}
+
+
+def print_table(t: dict) -> None:
+    print(f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
+          f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])})")
+    names = [n for n, _ in TABLE_CONFIGS]
+    print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{n:>24s}" for n in names))
+    for n in GPU_COUNTS:
+        for gc in (False, True):
+            cells = [r for r in t["rows"] if r["num_gpus"] == n and r["gradient_checkpointing"] == gc]
+            print(f"{n:>5d} {'on' if gc else 'off':>3s} " + " ".join(
+                f"{gb(r['peak_bytes']) + ('*' if r['fits'] else ' '):>24s}" for r in cells))
+    print()
+    for n in GPU_COUNTS:
+        b = t["recommended"].get(n)
+        print(f"{n:>3d} GPU(s): " + (f"{b['config']}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
+                                     f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
+                                     if b else "nothing fits"))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="hub id, local model directory, or config.json")
+    ap.add_argument("--recipe", help="take model, micro-batch, seq len and checkpointing from a recipe")
+    ap.add_argument("--deepspeed", nargs="+", help="DeepSpeed JSON fragments, merged as train.py merges them")
+    ap.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default 1)")
+    ap.add_argument("--num_nodes", type=int, default=1)
+    ap.add_argument("--micro_batch_size", type=int, help="per-GPU micro-batch (default: the recipe's, else 1)")
+    ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the recipe's block_size)")
+    ap.add_argument("--gradient_checkpointing", action="store_true")
+    ap.add_argument("--gpu_memory", help="memory per GPU, e.g. 80GiB; says whether it fits")
+    ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
+    ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
+    ap.add_argument("--tokens", type=float, help="training tokens: adds total FLOPs, time, GPU-hours and energy")
+    ap.add_argument("--gpu", default="H100", help="GPU for --tokens (peak FLOP/s and board power), default H100")
+    ap.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for --tokens (default 0.40)")
+    ap.add_argument("--gpu_power", type=float, help="watts per GPU for --tokens (default: the GPU's board power)")
+    args = ap.parse_args(argv)
+    try:
+        from zero_recipes.memory import parse_memory, training_compute
+
+        if not args.model and not args.recipe:
+            raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
+        if args.num_gpus < 1 or args.num_nodes < 1:
+            raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
+        if not (0 < args.mfu <= 1):
+            raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
+        gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
+        if args.table:
+            if gpu_memory is None:
+                raise ConfigError("--table needs --gpu_memory, e.g. --gpu_memory 80GiB")
+            t = table(args, gpu_memory)
+            print(json.dumps(t, indent=2) if args.json else "", end="\n" if args.json else "")
+            if not args.json:
+                print_table(t)
+            return 0
+        e, cfg, config = one(args, gpu_memory)
+        out = e.as_json()
+        if args.tokens:
+            world = args.num_gpus * args.num_nodes
+            out["compute"] = training_compute(config, e.num_params, args.tokens, cfg.block_size, world, args.gpu,
+                                              "fp32" if e.precision == "fp32" else "bf16", args.mfu, args.gpu_power)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print_one(e, cfg, args, gpu_memory)
+            c = out.get("compute")
+            if c:
+                print(f"compute: {c['total_flops']:.3e} FLOPs for {c['tokens']:.3g} tokens (6ND alone: "
+                      f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
+                      f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
+                      f"{c['gpu_hours']:,.0f} GPU-hours"
+                      + (f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU" if "energy_kwh" in c else ""))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
