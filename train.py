@@ -37,7 +37,7 @@ import psutil
 PROCESS_START = psutil.Process().create_time()  # time to first step counts the imports too
 NAN_TEST_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))  # test hook, see tests/test_faults.py
 
-from zero_recipes import checkpoint, data, distributed, ds_config, metrics, model as modeling
+from zero_recipes import checkpoint, data, distributed, ds_config, memory, metrics, model as modeling
 from zero_recipes.engine import make_engine
 
 # DeepSpeed still calls the c10d collectives torch renamed; the warning is theirs, repeated every step.
@@ -102,6 +102,14 @@ def main(argv: list[str]) -> int:
         checkpoint.write_run_config(output_dir, run_signature(cfg, raw_ds), ds)
     zero3 = ds_config.zero_stage(ds) == 3
     dtype_name = "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+    if torch.cuda.is_available() and rank == 0:  # warn before an OOM, with what would fit
+        line = memory.summary_line(model_config, ds, cfg, world)
+        free = torch.cuda.get_device_properties(0).total_memory
+        log(line)
+        if "estimated peak" in line and float(line.split("peak ")[1].split(" GiB")[0]) * 2**30 > free:
+            log(f"warning: the estimate exceeds this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
+                f"--model ... --table --gpu_memory {free / 2**30:.0f}GiB` for a config that fits")
 
     # ---- model: under ZeRO-3 it is built inside zero.Init, straight into partitions -------------------
     from transformers.integrations import HfDeepSpeedConfig
@@ -352,7 +360,9 @@ def dry_run(cfg, ds, notes, model_config, world, log) -> int:
         f"{ds_config.zero_stage(ds)}; {'bf16' if ds['bf16']['enabled'] else 'fp16' if ds['fp16']['enabled'] else 'fp32'}; "
         f"{ds['train_batch_size']} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step")
+    log(memory.summary_line(model_config, ds, cfg, world))
     return 0
+
 
 
 if __name__ == "__main__":

@@ -83,8 +83,7 @@ def probe(tmp_path, configs, ranks, micro=1, seq=16):
 @pytest.mark.parametrize("configs,ranks", [
     (["ds_configs/zero2.json", "ds_configs/bf16.json"], 2),
     (["ds_configs/zero3.json"], 1),
-    (["ds_configs/zero1.json"], 2),
-], ids=["zero2-bf16-2ranks", "zero3-fp32-1rank", "zero1-fp32-2ranks"])
+], ids=["zero2-bf16-2ranks", "zero3-fp32-1rank"])
 def test_model_states_match_real_deepspeed(configs, ranks, tmp_path):
     """Every phase's estimate against what DeepSpeed really allocated, on its most loaded rank. ZeRO-3 on
     several ranks is left to benchmarks/estimator.md: with overlap_comm its peak moves by ~15 % from run

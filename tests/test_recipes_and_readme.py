@@ -52,6 +52,7 @@ def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_st
         extra = ["--model_name_or_path", str(quick_start_model)]
     out = dry_run(["--recipe", str(recipe), *extra], capsys)
     assert "plan: model" in out and '"auto"' not in out
+    assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate
 
 
 def test_readme_table_lists_every_config(capsys):

@@ -30,13 +30,13 @@ CONFIGS = {
     "zero3+offload_all": ["ds_configs/zero3.json", "ds_configs/offload_all.json"],
 }
 # (model, config, precision, ranks, micro-batch, seq len, gradient checkpointing)
-POINTS = [(m, c, prec, n, 1, 16, False) for m in ("B",) for c in ("zero0", "zero1", "zero2", "zero3")
-          for prec in ("fp32", "bf16") for n in (1, 2)]
+POINTS = [("B", c, prec, n, 1, 16, False) for c in ("zero0", "zero1", "zero2", "zero3")
+          for prec, n in (("fp32", 1), ("bf16", 2))]
 POINTS += [("B", c, "bf16", n, 1, 16, False) for c in ("zero2+offload_optimizer", "zero3+offload_all") for n in (1, 2)]
 POINTS += [("B", c, "bf16", 4, 1, 16, False) for c in ("zero2", "zero3")]
 POINTS += [("B", c, prec, n, 2, 512, gc) for c in ("zero2", "zero3") for prec, n, gc in
-           (("bf16", 1, False), ("bf16", 1, True), ("fp32", 2, False), ("bf16", 2, True))]
-POINTS += [("A", c, "bf16", 2, 4, 256, gc) for c in ("zero1", "zero2", "zero3") for gc in (False, True)]
+           (("bf16", 1, False), ("bf16", 1, True), ("fp32", 2, False))]
+POINTS += [("A", c, "bf16", 2, 4, 256, gc) for c in ("zero1", "zero3") for gc in (False, True)]
 QUICK = [("A", "zero2", "bf16", 2, 2, 128, False), ("A", "zero3", "fp32", 1, 2, 128, True)]
 TARGET = {"over": 0.10, "under": 0.05}
 
