@@ -66,7 +66,6 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
     temp = 8 if s.adam_temporaries and not off_opt else 0
     overlap = 2 if s.zero.get("overlap_comm") else 1
     bucket = _bucket(s.zero, "reduce_bucket_size", 5e8) * p * overlap / P  # per parameter, like the rest
-    total: dict[str, float] = {}
     cap = _bucket(s.zero, "stage3_max_live_parameters", 1e9) + _bucket(s.zero, "stage3_prefetch_bucket_size", 5e7)
     if s.stage == 0:
         # Every rank holds everything. Backward: fp32 grads plus DeepSpeed's flat fp32 copy for the all-reduce,
@@ -122,8 +121,7 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
                  "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
                  "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N}
         host_part = (16 / N if off_opt else 0) + (p / N if off_par else 0)
-        states = {k: part for k in total}
-        states["init"] = part
+        states = dict.fromkeys(total, part - host_part)  # on the device
         host = dict.fromkeys(total, host_part)  # with offload, zero.Init builds the partitions on the host
     # What is live during the forward, before any grad exists: activations add to this, while the grads'
     # transient comes after most activations are freed (measured: the fwd/bwd peak is the larger of the two)
