@@ -1,0 +1,44 @@
+"""The floor: a hand-written DeepSpeed loop over the same rows, model, optimizer and config as train.py,
+with nothing else (no logging, eval, NaN check, preemption check or checkpoint).
+
+    deepspeed --num_gpus 2 tools/bench/bare_loop.py <train.py flags> --timing_out t.json [--window 5]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from tools.bench.workload import WindowClock, setup  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from zero_recipes import distributed, model as modeling
+    from zero_recipes.engine import make_engine
+
+    w = setup(argv)
+    cfg = w.cfg
+    hf_ds = HfDeepSpeedConfig(w.ds)  # noqa: F841 -- alive while the model is built (ZeRO-3)
+    modeling.causal_lm_class(w.model_config)
+    model = modeling.build_model(cfg, w.model_config, __import__("torch").float32, w.rank)
+    engine = make_engine(cfg, model, w.ds, cfg.max_steps)
+    engine.train()
+    clock = WindowClock(w)
+    for step in range(1, cfg.max_steps + 1):
+        for _ in range(cfg.gradient_accumulation_steps):
+            batch = {k: v.to(engine.device) for k, v in w.order.next_batch().items()}
+            loss = engine(**batch, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+        clock.step_done(step)
+    clock.write("bare DeepSpeed loop")
+    distributed.finish(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""The speed benchmark: train.py against the HF Trainer and a bare DeepSpeed loop on identical work.
+
+Each run is its own process through the real `deepspeed` launcher with 2 ranks, in the order train.py,
+HF Trainer, bare loop, repeated (A/B/C/A/B/C), so drift in machine load hits all three alike. All three
+take train.py's flags, build the same model (same config, same seeded init), the same rows in the same
+per-rank order, the same torch AdamW and schedule and the same resolved DeepSpeed config; the baselines
+start from tools/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
+boundary; the first window (warm-up: allocation, first-touch, JIT) is left out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import REPO, environment, free_port, run_checked, yes
+
+HUNDRED_M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
+             "intermediate_size": 2048}
+SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, micro, steps, window)
+    "tiny": (None, 256, 8, 30, 5),
+    "100M": (HUNDRED_M, 256, 2, 12, 3),
+}
+QUICK = {"tiny": (None, 64, 4, 6, 2)}
+RUNNERS = {"train.py": "train.py", "HF Trainer": "tools/bench/hf_trainer_run.py",
+           "bare DeepSpeed loop": "tools/bench/bare_loop.py"}
+GOALS = {"tiny": 1.2, "100M": 1.0, "floor": 0.97}
+
+
+def flags(size) -> list[str]:
+    model, block, micro, steps, _window = size
+    out = ["--deepspeed", "ds_configs/zero2.json", "--max_steps", str(steps), "--block_size", str(block),
+           "--per_device_train_batch_size", str(micro), "--learning_rate", "3e-3", "--warmup_steps", "1"]
+    return out + (["--model_config", json.dumps(model)] if model else [])
+
+
+def run_one(runner: str, size, tmp: Path, rep: int) -> list[float]:
+    """Window seconds of one run, warm-up window included."""
+    window = size[4]
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), RUNNERS[runner]]
+    out = tmp / f"{runner.split()[0]}-{rep}"
+    if runner == "train.py":
+        cmd = launch + flags(size) + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0",
+                                      "--output_dir", str(out)]
+        run_checked(cmd, None, 3600, f"{runner}: {' '.join(cmd)}")
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        tokens = size[2] * size[1] * 2 * window
+        return [tokens / r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
+    timing = tmp / f"{runner.split()[0]}-{rep}.json"
+    cmd = launch + flags(size) + ["--timing_out", str(timing), "--window", str(window)]
+    run_checked(cmd, None, 3600, f"{runner}: {' '.join(cmd)}")
+    return json.loads(timing.read_text())["window_seconds"]
+
+
+def measure(sizes: dict, pairs: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="zr-bench-speed-"))
+    out = {}
+    for name, size in sizes.items():
+        _model, block, micro, steps, window = size
+        tokens = micro * block * 2 * window
+        rates = {r: [] for r in RUNNERS}
+        for rep in range(pairs):
+            for runner in RUNNERS:
+                seconds = run_one(runner, size, tmp, rep)
+                rates[runner] += [tokens / s for s in seconds[1:]]  # steady state: warm-up window left out
+                print(f"  {name} rep {rep + 1}/{pairs} {runner}: {statistics.median(rates[runner][-len(seconds) + 1:]):,.0f} "
+                      "tokens/s", flush=True)
+        med = {r: statistics.median(v) for r, v in rates.items()}
+        out[name] = {"settings": {"model_config": size[0] or "embedded tiny Llama", "block_size": block,
+                                  "micro_batch": micro, "steps": steps, "window_steps": window, "ranks": 2,
+                                  "config": "ds_configs/zero2.json", "precision": "fp32"},
+                     "tokens_per_sec": {r: {"median": med[r], "min": min(v), "max": max(v), "windows": len(v)}
+                                        for r, v in rates.items()},
+                     "vs_hf_trainer": med["train.py"] / med["HF Trainer"],
+                     "vs_bare_loop": med["train.py"] / med["bare DeepSpeed loop"],
+                     "goal_vs_hf_trainer": GOALS.get(name, 1.0), "goal_vs_bare_loop": GOALS["floor"]}
+    return out
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Training speed, {r['date']}", "", f"Command: `{r['command']}`", "",
+             "| model | runner | tokens/s (median) | min–max | windows |", "|---|---|---|---|---|"]
+    for name, m in r["models"].items():
+        for runner, t in m["tokens_per_sec"].items():
+            lines.append(f"| {name} | {runner} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {t['windows']} |")
+    lines += ["", "| model | train.py / HF Trainer | goal | met? | train.py / bare loop | goal | met? |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in r["models"].items():
+        lines.append(f"| {name} | {m['vs_hf_trainer']:.3f} | >= {m['goal_vs_hf_trainer']:g} | "
+                     f"{yes(m['vs_hf_trainer'] >= m['goal_vs_hf_trainer'])} | {m['vs_bare_loop']:.3f} | "
+                     f">= {m['goal_vs_bare_loop']:g} | {yes(m['vs_bare_loop'] >= m['goal_vs_bare_loop'])} |")
+    m, v = r["machine"], r["versions"]
+    for name, x in r["models"].items():
+        s = x["settings"]
+        lines.append("")
+        lines.append(f"- {name}: {json.dumps(s['model_config']) if isinstance(s['model_config'], dict) else s['model_config']}; "
+                     f"{s['config']}, {s['precision']}, {s['ranks']} ranks x 1 thread, micro-batch {s['micro_batch']} x "
+                     f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out).")
+    lines += ["", f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM"
+              + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
+              "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_train(args) -> int:
+    sizes = QUICK if args.quick else SIZES
+    result = {"date": datetime.date.today().isoformat(),
+              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(),
+              "models": measure(sizes, args.pairs or (1 if args.quick else 2))}
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"train-{result['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
+    for name, m in result["models"].items():
+        print(f"{name}: train.py / HF Trainer = {m['vs_hf_trainer']:.3f}, train.py / bare loop = {m['vs_bare_loop']:.3f}")
+    print(f"wrote {stem}.md")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="tokens/s of train.py vs the HF Trainer vs a bare DeepSpeed loop")
+    t.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 repetition (for tests)")
+    t.add_argument("--pairs", type=int, help="repetitions of the A/B/C cycle (default 2)")
+    t.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where train-DATE.{md,json} go")
+    t.set_defaults(func=cmd_train)

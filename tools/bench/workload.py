@@ -1,0 +1,91 @@
+"""The identical work every speed runner does: train.py's flags, tokenizer, prepared rows, batch order,
+model config and resolved DeepSpeed config, built with train.py's own modules. The baselines
+(bare_loop.py, hf_trainer_run.py) start here, so only the training loop differs between the three.
+
+Timing is the same for all: wall time of each window of `window` optimizer steps, measured on rank 0 at
+the step boundary, written as JSON to --timing_out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from zero_recipes import data, distributed, ds_config, model as modeling  # noqa: E402
+from zero_recipes.config import parse_args  # noqa: E402
+
+
+@dataclass
+class Workload:
+    cfg: object
+    explicit: set
+    ds: dict
+    raw_ds: dict
+    order: object
+    prepared: object
+    model_config: object
+    tokenizer: object
+    pad_id: int
+    rank: int
+    world: int
+    threads: int
+    timing_out: str
+    window: int
+
+
+def pop_flag(argv: list[str], name: str, default: str | None = None) -> tuple[list[str], str | None]:
+    if name not in argv:
+        return argv, default
+    i = argv.index(name)
+    return argv[:i] + argv[i + 2:], argv[i + 1]
+
+
+def setup(argv: list[str]) -> Workload:
+    argv, timing_out = pop_flag(argv, "--timing_out")
+    argv, window = pop_flag(argv, "--window", "5")
+    cfg, explicit = parse_args(argv)
+    rank, _local_rank, world, local_world = distributed.rank_info()
+    threads = distributed.set_threads(local_world)
+    distributed.init()
+    distributed.quiet_deepspeed()
+    tokenizer = data.load_tokenizer(cfg)  # built by train.py's run before this one (A/B/C order)
+    prepared = data.prepare(cfg, tokenizer, lambda *a, **k: None)  # a cache hit after train.py's run
+    order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, rank, world, cfg.seed, prepared.pad_id)
+    model_config = modeling.load_model_config(cfg)
+    if cfg.model_name_or_path is None and cfg.model_config is None:
+        model_config.vocab_size = len(tokenizer)
+    elif cfg.model_name_or_path is None:
+        model_config.vocab_size = max(model_config.vocab_size, len(tokenizer))
+    raw = ds_config.load_fragments(cfg.deepspeed)
+    ds, _ = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config), cfg.max_steps)
+    return Workload(cfg, explicit, ds, raw, order, prepared, model_config, tokenizer, prepared.pad_id, rank, world, threads,
+                    timing_out, int(window))
+
+
+class WindowClock:
+    """Wall time per window of optimizer steps, on rank 0; no host sync of its own beyond the step's."""
+
+    def __init__(self, w: Workload):
+        self.w, self.marks = w, [time.perf_counter()]
+
+    def step_done(self, step: int) -> None:
+        if step % self.w.window == 0:
+            self.marks.append(time.perf_counter())
+
+    def write(self, runner: str) -> None:
+        if self.w.rank != 0 or not self.w.timing_out:
+            return
+        cfg = self.w.cfg
+        tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size * self.w.world
+        seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        Path(self.w.timing_out).write_text(json.dumps({
+            "runner": runner, "window_steps": self.w.window, "window_seconds": seconds,
+            "tokens_per_step": tokens, "threads_per_rank": self.w.threads, "world": self.w.world}) + "\n")
