@@ -37,3 +37,32 @@ def test_export_benchmark_samples_the_memory_a_child_allocates():
     grew = busy["RssAnon"] - idle["RssAnon"]
     assert 280e6 <= grew <= 330e6, (idle, busy)
     assert busy["VmRSS"] >= busy["RssAnon"]
+
+
+def test_train_speed_benchmark_quick(tmp_path):
+    """train.py, the HF Trainer and the bare DeepSpeed loop all train the same tiny workload through the
+    launcher, and the report's ratios are the ratios of its medians."""
+    proc = subprocess.run([sys.executable, "tools/benchmark.py", "train", "--quick", "--out-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    [report] = list(tmp_path.glob("train-*.json"))
+    m = json.loads(report.read_text())["models"]["tiny"]
+    t = m["tokens_per_sec"]
+    assert set(t) == {"train.py", "HF Trainer", "bare DeepSpeed loop"}
+    for runner in t.values():
+        assert runner["windows"] == 2 and 0 < runner["min"] <= runner["median"] <= runner["max"]
+    assert abs(m["vs_hf_trainer"] - t["train.py"]["median"] / t["HF Trainer"]["median"]) < 1e-9
+    assert abs(m["vs_bare_loop"] - t["train.py"]["median"] / t["bare DeepSpeed loop"]["median"]) < 1e-9
+
+
+def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
+    """The GPU script cannot run here; it must say so in one line, and its memory predictions must be sane."""
+    proc = subprocess.run([sys.executable, "tools/benchmark.py", "gpu", "--out-dir", "/nonexistent"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0]
+    sys.path.insert(0, str(REPO))
+    from tools.bench.gpu import CONFIGS, predicted
+
+    pred = {name: predicted(files) for name, files in CONFIGS.items()}
+    assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory

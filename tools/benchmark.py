@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zero_recipes and tools.bench
 
-from tools.bench import data, estimator, export, speed  # noqa: E402
+from tools.bench import data, estimator, export, gpu, speed  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, speed):
+    for module in (data, export, estimator, speed, gpu):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,7 +1,8 @@
 """The floor: a hand-written DeepSpeed loop over the same rows, model, optimizer and config as train.py,
 with nothing else (no logging, eval, NaN check, preemption check or checkpoint).
 
-    deepspeed --num_gpus 2 tools/bench/bare_loop.py <train.py flags> --timing_out t.json [--window 5]
+    deepspeed --num_gpus 2 tools/bench/bare_loop.py <train.py flags> --timing_out t.json [--window 5] \
+        [--profile_out ops.txt]      # rank 0's op table over the steps after the first window (torch.profiler)
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def main(argv: list[str]) -> int:
     from zero_recipes import distributed, model as modeling
     from zero_recipes.engine import make_engine
 
+    from tools.bench.workload import pop_flag
+
+    argv, profile_out = pop_flag(argv, "--profile_out")
     w = setup(argv)
     cfg = w.cfg
     hf_ds = HfDeepSpeedConfig(w.ds)  # noqa: F841 -- alive while the model is built (ZeRO-3)
@@ -28,13 +32,23 @@ def main(argv: list[str]) -> int:
     engine = make_engine(cfg, model, w.ds, cfg.max_steps)
     engine.train()
     clock = WindowClock(w)
+    profiler = None
     for step in range(1, cfg.max_steps + 1):
+        if profile_out and step == w.window + 1:  # after warm-up
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU])
+            profiler.__enter__()
         for _ in range(cfg.gradient_accumulation_steps):
             batch = {k: v.to(engine.device) for k, v in w.order.next_batch().items()}
             loss = engine(**batch, use_cache=False).loss
             engine.backward(loss)
             engine.step()
         clock.step_done(step)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        if w.rank == 0:
+            Path(profile_out).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     clock.write("bare DeepSpeed loop")
     distributed.finish(0)
     return 0

@@ -122,7 +122,52 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_mfu(args) -> int:
+    """train.py's MFU against the measured matmul peak of the ranks' threads (train.py measures it at start,
+    all ranks at once, so contention is in the peak), and where the step's time goes (torch.profiler op
+    table of the bare loop's rank 0: the same model, engine and data)."""
+    name = "tiny" if args.quick else args.model
+    size = (QUICK if args.quick else SIZES)[name]
+    tmp = Path(tempfile.mkdtemp(prefix="zr-bench-mfu-"))
+    window = size[4]
+    out = tmp / "train"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py"] + flags(size) + [
+        "--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(out)]
+    log = run_checked(cmd, None, 3600, f"train.py: {' '.join(cmd)}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "mfu" in x]
+    plan = next(line for line in log.splitlines() if line.startswith("plan:"))
+    ops = tmp / "ops.txt"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), RUNNERS["bare DeepSpeed loop"]] + \
+        flags(size) + ["--timing_out", str(tmp / "t.json"), "--window", str(window), "--profile_out", str(ops)]
+    run_checked(cmd, None, 3600, "bare loop with the profiler")
+    mfus = [r["mfu"] for r in records[1:]]
+    result = {"date": datetime.date.today().isoformat(), "model": name,
+              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(),
+              "mfu_median": statistics.median(mfus), "mfu_windows": mfus, "plan": plan,
+              "op_table": ops.read_text()}
+    dest = Path(args.out_dir).resolve()
+    dest.mkdir(parents=True, exist_ok=True)
+    stem = dest / f"mfu-{result['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    m = result["machine"]
+    stem.with_suffix(".md").write_text("\n".join([
+        f"# CPU MFU, {result['date']}", "", f"Command: `{result['command']}`", "",
+        f"- train.py, {name} model, 2 ranks: MFU {result['mfu_median']:.1%} (median of {len(mfus)} steady windows: "
+        + ", ".join(f"{x:.1%}" for x in mfus) + ").",
+        f"- train.py's plan line (model FLOPs per token: 6N plus the attention term; the peak it measured): `{plan}`",
+        f"- Machine: {m['cpu']}, {m['cores']} cores.", "",
+        "Where rank 0's time goes (bare DeepSpeed loop, same work, steps after the first window; torch.profiler, "
+        "self CPU time):", "", "```", result["op_table"].rstrip(), "```", ""]))
+    print(f"MFU {result['mfu_median']:.1%}; wrote {stem}.md")
+    return 0
+
+
 def add_parsers(sub) -> None:
+    m = sub.add_parser("mfu", help="train.py's MFU against the measured CPU matmul peak, with a profiler op table")
+    m.add_argument("--model", choices=sorted(SIZES), default="100M")
+    m.add_argument("--quick", action="store_true", help="tiny model, 6 steps (for tests)")
+    m.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where mfu-DATE.{md,json} go")
+    m.set_defaults(func=cmd_mfu)
     t = sub.add_parser("train", help="tokens/s of train.py vs the HF Trainer vs a bare DeepSpeed loop")
     t.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 repetition (for tests)")
     t.add_argument("--pairs", type=int, help="repetitions of the A/B/C cycle (default 2)")
