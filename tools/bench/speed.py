@@ -23,7 +23,7 @@ HUNDRED_M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads":
              "intermediate_size": 2048}
 SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, micro, steps, window)
     "tiny": (None, 256, 8, 30, 5),
-    "100M": (HUNDRED_M, 256, 2, 12, 3),
+    "100M": (HUNDRED_M, 256, 2, 9, 3),
 }
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
 RUNNERS = {"train.py": "train.py", "HF Trainer": "tools/bench/hf_trainer_run.py",
@@ -38,11 +38,11 @@ def flags(size) -> list[str]:
     return out + (["--model_config", json.dumps(model)] if model else [])
 
 
-def run_one(runner: str, size, tmp: Path, rep: int) -> list[float]:
+def run_one(runner: str, size, tmp: Path, tag: str) -> list[float]:
     """Window seconds of one run, warm-up window included."""
     window = size[4]
     launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), RUNNERS[runner]]
-    out = tmp / f"{runner.split()[0]}-{rep}"
+    out = tmp / f"{tag}-{runner.split()[0]}"
     if runner == "train.py":
         cmd = launch + flags(size) + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0",
                                       "--output_dir", str(out)]
@@ -50,7 +50,7 @@ def run_one(runner: str, size, tmp: Path, rep: int) -> list[float]:
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         tokens = size[2] * size[1] * 2 * window
         return [tokens / r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
-    timing = tmp / f"{runner.split()[0]}-{rep}.json"
+    timing = tmp / f"{tag}-{runner.split()[0]}.json"
     cmd = launch + flags(size) + ["--timing_out", str(timing), "--window", str(window)]
     run_checked(cmd, None, 3600, f"{runner}: {' '.join(cmd)}")
     return json.loads(timing.read_text())["window_seconds"]
@@ -65,7 +65,7 @@ def measure(sizes: dict, pairs: int) -> dict:
         rates = {r: [] for r in RUNNERS}
         for rep in range(pairs):
             for runner in RUNNERS:
-                seconds = run_one(runner, size, tmp, rep)
+                seconds = run_one(runner, size, tmp, f"{name}-{rep}")
                 rates[runner] += [tokens / s for s in seconds[1:]]  # steady state: warm-up window left out
                 print(f"  {name} rep {rep + 1}/{pairs} {runner}: {statistics.median(rates[runner][-len(seconds) + 1:]):,.0f} "
                       "tokens/s", flush=True)
