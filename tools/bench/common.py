@@ -65,3 +65,31 @@ def run_checked(cmd: list[str], env: dict, timeout: int, what: str) -> str:
 def fail(message: str, output: str) -> None:
     print(f"error: {message}\n---- last output ----\n{output[-4000:]}", file=sys.stderr)
     sys.exit(1)
+
+
+def new_report(**fields) -> dict:
+    """A report's header: today's date, the command that made it, the versions and the machine."""
+    import datetime
+
+    return {"date": datetime.date.today().isoformat(), "command": " ".join(["python", "tools/benchmark.py"]
+                                                                        + sys.argv[1:]), **environment(), **fields}
+
+
+def write_report(out_dir: str, name: str, result: dict, markdown: str) -> Path:
+    """out_dir/name.json and out_dir/name.md; returns the .md path."""
+    import json
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(f"wrote {out / name}.md and .json")
+    return out / f"{name}.md"
+
+
+def footer(r: dict) -> list[str]:
+    """The machine and versions lines every report ends with."""
+    m, v = r["machine"], r["versions"]
+    return [f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['ram_gib']} GiB RAM"
+            + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
+            "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]

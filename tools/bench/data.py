@@ -18,7 +18,7 @@ import time
 from itertools import chain
 from pathlib import Path
 
-from .common import REPO, environment, free_port, quiet, run_checked, yes
+from .common import REPO, environment, free_port, quiet, run_checked, write_report, yes
 
 BENCHMARK_PY = REPO / "tools" / "benchmark.py"
 BLOCK = 1024
@@ -294,12 +294,7 @@ def cmd_data(args) -> int:
         result["packing"] = packing_utilisation(tmp, corpus["path"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    out = Path(args.out_dir)
-    out = out if out.is_absolute() else Path.cwd() / out
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"data-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    write_report(args.out_dir, f"data-{result['date']}", result, markdown(result))
     p, f, k = result["prep"], result["time_to_first_step"], result["packing"]
     print(f"prep: ours {p['ours']['tokens_per_sec']:,.0f} tok/s vs run_clm.py {p['run_clm']['tokens_per_sec']:,.0f} "
           f"tok/s = {p['ratio_tokens_per_sec']:.2f}x (goal >= 2x: {'met' if p['met'] else 'NOT met'})")
@@ -307,7 +302,6 @@ def cmd_data(args) -> int:
           f"(goal <= 10%: {'met' if f['met'] else 'NOT met'})")
     print(f"packing utilisation: {k['with_packing']['utilisation']:.1%} with, {k['without_packing']['utilisation']:.1%} "
           f"without (goal >= 95%: {'met' if k['met'] else 'NOT met'})")
-    print(f"wrote {stem}.md and {stem}.json")
     return 0
 
 

@@ -9,13 +9,12 @@ The estimate runs with `adam_temporaries=True`: a CPU steps with torch's single-
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO, environment, free_port, run_checked
+from .common import REPO, footer, free_port, new_report, run_checked, write_report
 
 MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
     "B": {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -87,7 +86,6 @@ def markdown(r: dict) -> str:
                      f"{mb(p['predicted_bytes'])} | {p['error']:+.1%} | {'yes' if ok else '**no**'} |")
     errs = [p["error"] for p in r["points"]]
     inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
-    m, v = r["machine"], r["versions"]
     lines += ["", f"- {inside} of {len(errs)} points in target; worst over {max(errs):+.1%}, worst under {min(errs):+.1%}.",
               "- Misses: " + ("; ".join(f"{p['config']} {p['precision']} on {p['ranks']} rank(s), {p['error']:+.1%}"
                                         for p in r["points"] if not -TARGET["under"] <= p["error"] <= TARGET["over"])
@@ -96,9 +94,7 @@ def markdown(r: dict) -> str:
               "repetitions (measured), on the most loaded rank, which also differs from rank 0 by up to ~1.5 B/param.",
               "- Models: Llama with GQA and SwiGLU; B " + json.dumps(MODELS["B"]) + "; A (held out: the "
               "estimate's measured constants came from B) " + json.dumps(MODELS["A"]) + ".",
-              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM"
-              + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
-              "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+              *footer(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -113,14 +109,8 @@ def cmd_estimator(args) -> int:
         rows.append(row)
         print(f"  [{i + 1}/{len(points)}] {point}: measured {row['measured_bytes'] / 1e6:.1f} MB, predicted "
               f"{row['predicted_bytes'] / 1e6:.1f} MB ({row['error']:+.1%}) at {row['phase']}", flush=True)
-    result = {"date": datetime.date.today().isoformat(),
-              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(), "points": rows}
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    name = "estimator" if not args.quick else "estimator-quick"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(f"wrote {out / name}.md")
+    result = new_report(points=rows)
+    write_report(args.out_dir, "estimator" if not args.quick else "estimator-quick", result, markdown(result))
     return 0
 
 

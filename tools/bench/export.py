@@ -12,7 +12,6 @@ torch and DeepSpeed themselves.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import shutil
@@ -22,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, environment, free_port, run_checked, yes
+from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
 # ~91M parameters (365 MB in fp32): "a model of a few hundred MB"; --quick: ~7M, for the test
 MODELS = {
@@ -115,7 +114,6 @@ def markdown(r: dict) -> str:
         lines.append(f"| 2-rank ZeRO-{e['zero_stage']} | {e['dtype']} | {mb(e['weights_bytes'])} | "
                      f"{mb(e['largest_shard_bytes'])} | {mb(e['net']['RssAnon'])} | {mb(e['net']['RssFile'])} | "
                      f"{mb(e['peak']['VmRSS'])} | {e['anon_over_budget']:.2f} | {yes(e['met'])} |")
-    m, v = r["machine"], r["versions"]
     n = r["exports"][0]["num_params"]
     lines += ["", f"- Model: Llama, {json.dumps(r['model_config'])}" + (f", {n / 1e6:.2f}M parameters" if n else "")
               + f"; checkpoints from `train.py` on 2 ranks, 1 step; `--max_shard_size {r['max_shard_size']}`.",
@@ -126,22 +124,13 @@ def markdown(r: dict) -> str:
               "fp32 vector before any dtype cast, so the anonymous peak is one fp32 copy plus a shard whatever the "
               "output dtype: bf16 exports need twice the goal. ZeRO-3's lazy mode gathers one parameter at a time.",
               "- RssFile is the memory-mapped rank files (page cache, reclaimable); it is not counted in the goal.",
-              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM"
-              + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
-              "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+              *footer(r)]
     return "\n".join(lines) + "\n"
 
 
 def cmd_export(args) -> int:
-    result = {"date": datetime.date.today().isoformat(),
-              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(),
-              **measure(args.quick)}
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"export-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {stem}.md and {stem}.json")
+    result = new_report(**measure(args.quick))
+    write_report(args.out_dir, f"export-{result['date']}", result, markdown(result))
     return 0
 
 

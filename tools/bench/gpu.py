@@ -11,14 +11,13 @@ the same launch with the error. Data is the embedded corpus (it needs no network
 
 from __future__ import annotations
 
-import datetime
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO, environment, free_port, run_checked
+from .common import REPO, footer, free_port, new_report, run_checked, write_report
 
 LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True,
@@ -68,11 +67,9 @@ def markdown(r: dict) -> str:
         err = x["predicted_bytes"] / x["max_memory_allocated"] - 1 if x["max_memory_allocated"] else float("nan")
         lines.append(f"| {name} | {x['tokens_per_sec']:,.0f} | {x['mfu']:.1%} | {x['max_memory_allocated'] / 2**30:.2f} | "
                      f"{x['predicted_bytes'] / 2**30:.2f} | {err:+.1%} |")
-    m, v = r["machine"], r["versions"]
     lines += ["", f"- Model: {json.dumps(LLAMA_1B)}; bf16, sequence {SEQ}, micro-batch {MICRO}, {STEPS} steps, "
               f"windows of {WINDOW} (the first left out). Goal: >= 50 % MFU with ZeRO-2.",
-              f"- Machine: {m['cpu']}, GPUs: {', '.join(m['gpus']) or 'none'}.",
-              "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+              *footer(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -90,14 +87,8 @@ def cmd_gpu(args) -> int:
         runs[name]["predicted_bytes"] = predicted(files)
         print(f"  {name}: {runs[name]['tokens_per_sec']:,.0f} tokens/s, MFU {runs[name]['mfu']:.1%}, "
               f"max allocated {runs[name]['max_memory_allocated'] / 2**30:.2f} GiB", flush=True)
-    result = {"date": datetime.date.today().isoformat(),
-              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(), "runs": runs}
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {stem}.md")
+    result = new_report(runs=runs)
+    write_report(args.out_dir, f"gpu-{result['date']}", result, markdown(result))
     return 0
 
 

@@ -10,14 +10,12 @@ boundary; the first window (warm-up: allocation, first-touch, JIT) is left out.
 
 from __future__ import annotations
 
-import datetime
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO, environment, free_port, run_checked, yes
+from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
 HUNDRED_M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
              "intermediate_size": 2048}
@@ -93,32 +91,22 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | {m['vs_hf_trainer']:.3f} | >= {m['goal_vs_hf_trainer']:g} | "
                      f"{yes(m['vs_hf_trainer'] >= m['goal_vs_hf_trainer'])} | {m['vs_bare_loop']:.3f} | "
                      f">= {m['goal_vs_bare_loop']:g} | {yes(m['vs_bare_loop'] >= m['goal_vs_bare_loop'])} |")
-    m, v = r["machine"], r["versions"]
     for name, x in r["models"].items():
         s = x["settings"]
         lines.append("")
         lines.append(f"- {name}: {json.dumps(s['model_config']) if isinstance(s['model_config'], dict) else s['model_config']}; "
                      f"{s['config']}, {s['precision']}, {s['ranks']} ranks x 1 thread, micro-batch {s['micro_batch']} x "
                      f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out).")
-    lines += ["", f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM"
-              + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
-              "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+    lines += ["", *footer(r)]
     return "\n".join(lines) + "\n"
 
 
 def cmd_train(args) -> int:
     sizes = QUICK if args.quick else SIZES
-    result = {"date": datetime.date.today().isoformat(),
-              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(),
-              "models": measure(sizes, args.pairs or (1 if args.quick else 2))}
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"train-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    result = new_report(models=measure(sizes, args.pairs or (1 if args.quick else 2)))
+    write_report(args.out_dir, f"train-{result['date']}", result, markdown(result))
     for name, m in result["models"].items():
         print(f"{name}: train.py / HF Trainer = {m['vs_hf_trainer']:.3f}, train.py / bare loop = {m['vs_bare_loop']:.3f}")
-    print(f"wrote {stem}.md")
     return 0
 
 
@@ -141,24 +129,17 @@ def cmd_mfu(args) -> int:
         flags(size) + ["--timing_out", str(tmp / "t.json"), "--window", str(window), "--profile_out", str(ops)]
     run_checked(cmd, None, 3600, "bare loop with the profiler")
     mfus = [r["mfu"] for r in records[1:]]
-    result = {"date": datetime.date.today().isoformat(), "model": name,
-              "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]), **environment(),
-              "mfu_median": statistics.median(mfus), "mfu_windows": mfus, "plan": plan,
-              "op_table": ops.read_text()}
-    dest = Path(args.out_dir).resolve()
-    dest.mkdir(parents=True, exist_ok=True)
-    stem = dest / f"mfu-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    m = result["machine"]
-    stem.with_suffix(".md").write_text("\n".join([
+    result = new_report(model=name, mfu_median=statistics.median(mfus), mfu_windows=mfus, plan=plan,
+                        op_table=ops.read_text())
+    write_report(args.out_dir, f"mfu-{result['date']}", result, "\n".join([
         f"# CPU MFU, {result['date']}", "", f"Command: `{result['command']}`", "",
         f"- train.py, {name} model, 2 ranks: MFU {result['mfu_median']:.1%} (median of {len(mfus)} steady windows: "
         + ", ".join(f"{x:.1%}" for x in mfus) + ").",
         f"- train.py's plan line (model FLOPs per token: 6N plus the attention term; the peak it measured): `{plan}`",
-        f"- Machine: {m['cpu']}, {m['cores']} cores.", "",
+        *footer(result), "",
         "Where rank 0's time goes (bare DeepSpeed loop, same work, steps after the first window; torch.profiler, "
         "self CPU time):", "", "```", result["op_table"].rstrip(), "```", ""]))
-    print(f"MFU {result['mfu_median']:.1%}; wrote {stem}.md")
+    print(f"MFU {result['mfu_median']:.1%}")
     return 0
 
 
