@@ -74,3 +74,23 @@ def test_fp16_config_resolves_to_fp16_only(capsys):
     # trains in the GPU suite.
     out = dry_run(["--deepspeed", "ds_configs/zero2.json", "ds_configs/fp16.json"], capsys)
     assert '"fp16": {\n    "enabled": true' in out and '"bf16": {\n    "enabled": false' in out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_header_memory_estimate_is_current(recipe, quick_start_model):
+    """The '# Memory:' header names tools/estimate_memory.py's command and the peak it prints today."""
+    import subprocess
+    import sys
+
+    header = recipe.read_text().split("# Memory:", 1)[1].split("\n# Result", 1)[0]
+    stated = re.search(r"estimated peak ([0-9.]+) GiB per GPU", header)
+    command = re.search(r"(python tools/estimate_memory\.py [^\n]+)", header)
+    assert stated and command, f"{recipe.name}: '# Memory:' must give the estimate and the command that made it"
+    args = shlex.split(command.group(1))[2:]
+    if "model_name_or_path: outputs/tiny-llama" in recipe.read_text():
+        args += ["--model", str(quick_start_model)]  # the quick start's output, stood in for
+    proc = subprocess.run([sys.executable, "tools/estimate_memory.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = re.search(r"peak per GPU: ([0-9.]+) GiB", proc.stdout).group(1)
+    assert printed == stated.group(1), f"{recipe.name} says {stated.group(1)} GiB; the tool now says {printed}"
