@@ -25,12 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zero_recipes.config import ConfigError  # noqa: E402
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-# fastest first: a lower stage and less offload beat more; gradient checkpointing costs ~1/3 more compute
 TABLE_CONFIGS = [("zero1", ["ds_configs/zero1.json"]), ("zero2", ["ds_configs/zero2.json"]),
                  ("zero3", ["ds_configs/zero3.json"]),
                  ("zero2+offload_optimizer", ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"]),
                  ("zero3+offload_optimizer", ["ds_configs/zero3.json", "ds_configs/offload_optimizer.json"]),
                  ("zero3+offload_all", ["ds_configs/zero3.json", "ds_configs/offload_all.json"])]
+# What the table recommends: the first that fits. Lower stages communicate less; recomputation (gradient
+# checkpointing, ~1/3 more compute) costs less than moving the optimizer step to the CPU, and offloading
+# parameters too costs most.
+PREFERENCE = [(name, gc) for group in (("zero1", "zero2", "zero3"), ("zero2+offload_optimizer",
+                                                                    "zero3+offload_optimizer"), ("zero3+offload_all",))
+              for gc in (False, True) for name in group]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -152,6 +157,7 @@ def table(args, gpu_memory) -> dict:
     extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
     for n in GPU_COUNTS:
         world = n * args.num_nodes
+        fitting = {}
         for gc in (False, True):
             for name, files in TABLE_CONFIGS:
                 _, _, ds_n, _ = load(args, files + extra, world)
@@ -160,18 +166,21 @@ def table(args, gpu_memory) -> dict:
                                                   gc), shape, act, gpu_memory)
                 rows.append({"num_gpus": n, "config": name, "gradient_checkpointing": gc,
                              "peak_bytes": e.per_gpu["peak_bytes"], "fits": e.fits})
-                if e.fits and n not in best:
-                    # the largest micro-batch that still fits, doubling
-                    micro = cfg.per_device_train_batch_size
-                    while micro < 1024:
-                        act2 = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * micro * 2)
-                        e2 = estimate(config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape,
-                                      act2, gpu_memory)
-                        if not e2.fits:
-                            break
-                        micro *= 2
-                    best[n] = {"config": name, "gradient_checkpointing": gc, "peak_bytes": e.per_gpu["peak_bytes"],
-                               "max_micro_batch_size": micro}
+                if e.fits:
+                    fitting[name, gc] = (ds_n, e)
+        pick = next((key for key in PREFERENCE if key in fitting), None)
+        if pick:
+            name, gc = pick
+            ds_n, e = fitting[pick]
+            micro = cfg.per_device_train_batch_size  # the largest micro-batch that still fits, doubling
+            while micro < 1024:
+                act2 = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * micro * 2)
+                if not estimate(config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape, act2,
+                                gpu_memory).fits:
+                    break
+                micro *= 2
+            best[n] = {"config": name, "gradient_checkpointing": gc, "peak_bytes": e.per_gpu["peak_bytes"],
+                       "max_micro_batch_size": micro}
     return {"num_params": shape.num_params, "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
             "seq_len": cfg.block_size, "micro_batch_size": cfg.per_device_train_batch_size, "gpu_memory": gpu_memory,
             "rows": rows, "recommended": best, "notes": notes}
