@@ -139,6 +139,9 @@ def main(argv: list[str]) -> int:
         where = checkpoint.to_universal(where, rank)
         ds.setdefault("checkpoint", {})["load_universal"] = True
     engine = make_engine(cfg, model, ds, total_steps)
+    if cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
+        engine.compile()
+        log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
     hf_writer = modeling.hf_files_writer(engine.module.config, tokenizer)
     step = 0
     if where is not None:

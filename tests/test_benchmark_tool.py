@@ -48,11 +48,12 @@ def test_train_speed_benchmark_quick(tmp_path):
     [report] = list(tmp_path.glob("train-*.json"))
     m = json.loads(report.read_text())["models"]["tiny"]
     t = m["tokens_per_sec"]
-    assert set(t) == {"train.py", "HF Trainer", "bare DeepSpeed loop"}
+    assert set(t) == {"train.py", "HF Trainer", "bare DeepSpeed loop", "train.py --torch_compile"}
     for runner in t.values():
         assert runner["windows"] == 2 and 0 < runner["min"] <= runner["median"] <= runner["max"]
     assert abs(m["vs_hf_trainer"] - t["train.py"]["median"] / t["HF Trainer"]["median"]) < 1e-9
     assert abs(m["vs_bare_loop"] - t["train.py"]["median"] / t["bare DeepSpeed loop"]["median"]) < 1e-9
+    assert abs(m["compiled_vs_hf_trainer"] - t["train.py --torch_compile"]["median"] / t["HF Trainer"]["median"]) < 1e-9
 
 
 def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():

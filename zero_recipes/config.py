@@ -51,6 +51,9 @@ class TrainConfig:
     """`sdpa`, `flash_attention_2` or `eager`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about 30 % more compute."""
+    torch_compile: bool = False
+    """Compile the model with torch.compile through DeepSpeed's `engine.compile()` (inductor). The first step
+    pays the compile (~30 s for the tiny model on 2 CPU cores, cached afterwards); losses match eager."""
 
     # ---- data --------------------------------------------------------------------------------------
     dataset_name: str = BUILTIN_DATASET
@@ -166,7 +169,7 @@ class TrainConfig:
 # output_dir is among them so that a run directory can be moved or copied and still resume.
 RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
                       "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start"}
+                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start", "torch_compile"}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
