@@ -104,10 +104,10 @@ def main(argv: list[str]) -> int:
     dtype_name = "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
 
     if torch.cuda.is_available() and rank == 0:  # warn before an OOM, with what would fit
-        line = memory.summary_line(model_config, ds, cfg, world)
+        estimate, line = memory.for_run(model_config, ds, cfg, world)
         free = torch.cuda.get_device_properties(0).total_memory
         log(line)
-        if "estimated peak" in line and float(line.split("peak ")[1].split(" GiB")[0]) * 2**30 > free:
+        if estimate is not None and estimate.per_gpu["peak_bytes"] > free:
             log(f"warning: the estimate exceeds this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
                 f"--model ... --table --gpu_memory {free / 2**30:.0f}GiB` for a config that fits")
 
@@ -363,9 +363,8 @@ def dry_run(cfg, ds, notes, model_config, world, log) -> int:
         f"{ds_config.zero_stage(ds)}; {'bf16' if ds['bf16']['enabled'] else 'fp16' if ds['fp16']['enabled'] else 'fp32'}; "
         f"{ds['train_batch_size']} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step")
-    log(memory.summary_line(model_config, ds, cfg, world))
+    log(memory.for_run(model_config, ds, cfg, world)[1])
     return 0
-
 
 
 if __name__ == "__main__":

@@ -164,15 +164,16 @@ def training_compute(model_config, num_params: int, tokens: float, seq_len: int,
     return out
 
 
-def summary_line(model_config, ds: dict, cfg, world: int) -> str:
-    """tools/estimate_memory.py's estimate for this run, in one line (GPU: with torch's fused AdamW)."""
+def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, str]:
+    """tools/estimate_memory.py's estimate for this train.py run (GPU: with torch's fused AdamW), and it in one
+    line for the log. (None, why) when it cannot be made: an estimate must never stop a run."""
     try:
         e = estimate(model_config, ds, Launch(world, 1, cfg.per_device_train_batch_size, cfg.block_size,
                                               cfg.gradient_checkpointing, cfg.attn_implementation or "sdpa"))
-    except Exception as err:  # noqa: BLE001 -- an estimate must never stop a run
-        return f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    except Exception as err:  # noqa: BLE001
+        return None, f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     g = e.per_gpu
-    return (f"memory: estimated peak {g['peak_bytes'] / 2**30:.2f} GiB per GPU in {g['peak_phase']} (states "
-            f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
-            f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
-            f"(tools/estimate_memory.py for the breakdown and --table)")
+    return e, (f"memory: estimated peak {g['peak_bytes'] / 2**30:.2f} GiB per GPU in {g['peak_phase']} (states "
+               f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
+               f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
+               f"(tools/estimate_memory.py for the breakdown and --table)")
