@@ -13,6 +13,9 @@
     # tools/estimate_memory.py against real DeepSpeed runs on the CPU (benchmarks/estimator.md)
     python tools/benchmark.py estimator                 # --quick: 2 points
 
+    # overlap_comm and bucket sizes: tokens/s and loss parity against the shipped configs
+    python tools/benchmark.py settings                  # --quick: tiny model, 4 steps
+
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} with the date, versions and machine. The
 code lives in tools/bench/, one module per benchmark.
 """
@@ -25,13 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zero_recipes and tools.bench
 
-from tools.bench import data, estimator, export, gpu, speed  # noqa: E402
+from tools.bench import data, estimator, export, gpu, settings, speed  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, speed, gpu):
+    for module in (data, export, estimator, speed, settings, gpu):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

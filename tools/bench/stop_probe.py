@@ -1,0 +1,35 @@
+"""Time train.py's per-step preemption check on its own: StopRequest.agreed() in a real 2-rank world.
+
+    deepspeed --num_gpus 2 tools/bench/stop_probe.py OUT.json CALLS
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from zero_recipes import distributed  # noqa: E402
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    out, calls = Path(args[0]), int(args[1])
+    rank, _, _, local_world = distributed.rank_info()
+    distributed.set_threads(local_world)
+    distributed.init()
+    stop = distributed.StopRequest()
+    seconds = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        assert stop.agreed() is None
+        seconds.append(time.perf_counter() - t)
+    if rank == 0:
+        out.write_text(json.dumps({"median_seconds": statistics.median(seconds[calls // 10:]), "calls": calls}))
+    distributed.finish(0)
+
+
+if __name__ == "__main__":
+    main()
