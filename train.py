@@ -59,6 +59,7 @@ def main(argv: list[str]) -> int:
                                   total_steps=cfg.max_steps if cfg.max_steps > 0 else None)
     if cfg.dry_run:
         return dry_run(cfg, ds, notes, model_config, world, log)
+    report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
     for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
         if not spec.name.startswith("builtin:"):
             data.describe(spec, cfg)
@@ -159,7 +160,8 @@ def main(argv: list[str]) -> int:
     peak, peak_source = metrics.device_peak_flops(dtype_name)
     log(f"plan: {total_steps} steps x {ds['train_batch_size']} sequences x {cfg.block_size} tokens; "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
-    mlog = metrics.MetricsLog(output_dir / "metrics.jsonl", rank == 0, resumed_at=step if where is not None else None)
+    mlog = metrics.MetricsLog(output_dir / "metrics.jsonl", rank == 0, resumed_at=step if where is not None else None,
+                              report_to=report_to, run_name=cfg.run_name, config=run_signature(cfg, raw_ds))
     device = engine.device
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     bar = progress_bar(rank, total_steps, step)
@@ -392,4 +394,5 @@ if __name__ == "__main__":
 
             traceback.print_exc()
         code = 1
+    metrics.close_open_logs()
     distributed.finish(code)

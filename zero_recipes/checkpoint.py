@@ -77,7 +77,8 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
 def clear_previous_run(output_dir: Path) -> None:
     """--overwrite_output_dir: remove what an earlier zero-recipes run wrote, nothing else."""
     shutil.rmtree(checkpoints_dir(output_dir), ignore_errors=True)
-    for name in ("metrics.jsonl", RUN_CONFIG, "ds_config.json"):
+    shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)  # else TensorBoard draws both runs as one
+    for name in ("metrics.jsonl", RUN_CONFIG, "ds_config.json", "wandb_run_id"):
         (output_dir / name).unlink(missing_ok=True)
 
 

@@ -143,6 +143,11 @@ class TrainConfig:
     overwrite_output_dir: bool = False
     """Allow training into an `output_dir` that holds a different run."""
     logging_steps: int = 10
+    report_to: list = field(default_factory=lambda: ["tensorboard"])
+    """Where metrics go besides metrics.jsonl: `tensorboard` (output_dir/tensorboard), `wandb` (project from
+    WANDB_PROJECT; WANDB_MODE=offline works without a network), both, or `none`."""
+    run_name: Optional[str] = None
+    """The run's name in W&B. Unset: the output_dir's name."""
     eval_steps: int = 50
     """Evaluate every N optimizer steps (and at the end). 0 disables periodic eval."""
     eval_on_start: bool = False
@@ -169,7 +174,8 @@ class TrainConfig:
 # output_dir is among them so that a run directory can be moved or copied and still resume.
 RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
                       "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start", "torch_compile"}
+                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start", "torch_compile",
+                      "report_to", "run_name"}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -339,6 +345,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
     if cfg.dataset_format not in DATASET_FORMATS:
         raise unknown_choice_error("dataset_format", cfg.dataset_format, DATASET_FORMATS)
+    for target in cfg.report_to:
+        if target not in ("tensorboard", "wandb", "all", "none"):
+            raise unknown_choice_error("report_to", target, ("tensorboard", "wandb", "all", "none"))
     if cfg.streaming and cfg.max_steps <= 0:
         raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
     if cfg.min_document_tokens < 0:

@@ -9,6 +9,8 @@ weighted sum. Recomputation for gradient checkpointing is not model FLOPs, by MF
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Optional
@@ -122,12 +124,29 @@ def memory_stats() -> dict:
     return out
 
 
-class MetricsLog:
-    """One JSON object per line in output_dir/metrics.jsonl (rank 0 only), appended across resumes. A
-    resume from step N first drops the records after N, which the interrupted launch wrote and the
-    resumed one writes again, so each step appears once."""
+def report_targets(report_to: list[str]) -> list[str]:
+    """`report_to` resolved: 'all' is both trackers, 'none' neither. A tracker asked for (the default
+    TensorBoard included; it is in requirements.txt) must be installed: the error names the install."""
+    from .config import ConfigError
 
-    def __init__(self, path: Path, enabled: bool, resumed_at: int | None = None):
+    wanted = [] if "none" in report_to else ["tensorboard", "wandb"] if "all" in report_to else list(report_to)
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if name in wanted:
+            import importlib.util
+
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"--report_to {name} needs the {module} package: pip install {module} "
+                                  f"(or --report_to none)")
+    return wanted
+
+
+class MetricsLog:
+    """One JSON object per line in output_dir/metrics.jsonl (rank 0 only), appended across resumes, and the
+    same scalars to TensorBoard and W&B when asked. A resume from step N first drops the records after N,
+    which the interrupted launch wrote and the resumed one writes again, so each step appears once."""
+
+    def __init__(self, path: Path, enabled: bool, resumed_at: int | None = None, report_to: tuple = (),
+                 run_name: str | None = None, config: dict | None = None):
         self.enabled = enabled
         if enabled and resumed_at is not None and path.exists():
             keep = [line for line in path.read_text().splitlines()
@@ -136,13 +155,60 @@ class MetricsLog:
             tmp.write_text("".join(line + "\n" for line in keep))
             tmp.replace(path)
         self.f = open(path, "a") if enabled else None
+        self.tb = self.wandb = None
+        if enabled and "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step makes TensorBoard hide what the interrupted launch logged after the resume point,
+            # as the jsonl trim above does
+            self.tb = SummaryWriter(str(path.parent / "tensorboard"), flush_secs=30,
+                                    purge_step=None if resumed_at is None else resumed_at + 1)
+        if enabled and "wandb" in report_to:
+            import wandb
+
+            # one W&B run per output_dir: a resumed launch continues it instead of starting a new one
+            id_file = path.parent / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
+            id_file.write_text(run_id)
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "zero-recipes"), id=run_id,
+                                    name=run_name or path.parent.resolve().name, dir=str(path.parent),
+                                    resume="allow", config=config)
+        _OPEN.append(self)
 
     def write(self, record: dict) -> None:
-        if self.f:
-            # floats at full precision: resume tests compare losses bit for bit
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
+        if not self.f:
+            return
+        # floats at full precision: resume tests compare losses bit for bit
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+        # HF's tag names (train/loss, eval/loss), so dashboards built for the Trainer read these runs
+        scalars = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb:
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, record["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.f:
             self.f.close()
+            self.f = None
+        if self.tb:
+            self.tb.close()
+            self.tb = None
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None
+
+
+_OPEN: list[MetricsLog] = []
+
+
+def close_open_logs() -> None:
+    """Flush every tracker before a failing run exits (train.py leaves with os._exit, so no atexit runs)."""
+    while _OPEN:
+        try:
+            _OPEN.pop().close()
+        except Exception:
+            pass
