@@ -389,6 +389,8 @@ if __name__ == "__main__":
                 print("error: fp16 loss scale hit its minimum: the gradients keep overflowing. Use bf16 "
                       "(ds_configs/bf16.json), lower --learning_rate, or lower min_loss_scale in the fp16 block",
                       file=sys.stderr, flush=True)
+        elif distributed.lost_peer(e):  # every surviving rank says it: each node's log shows the cause
+            print(f"\nerror: {distributed.lost_peer(e)}", file=sys.stderr, flush=True)  # \n: after tqdm's bar
         else:
             import traceback
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from datetime import timedelta
 
@@ -113,6 +114,28 @@ def finish(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# What gloo and NCCL say when the other end of a collective is gone: a rank or a node died, or the network
+# between them failed. torch raises these as DistError subclasses or as plain RuntimeErrors.
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
+              "NCCL communicator was aborted", "remote process exited or there was a network error")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """One line for a collective that failed because another rank went away, else None. The launcher's
+    own report follows it; this line says what happened and what to do."""
+    import torch.distributed as dist
+
+    text = str(error)
+    if not (isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)):
+        return None
+    cause = next((m for m in _LOST_PEER if m in text), type(error).__name__)
+    peer = re.search(r"(?:Read|Write) error \[([^\]]+)\]", text)  # gloo names the peer's address
+    where = peer.group(1) if peer else ""
+    return (f"rank {os.environ.get('RANK', 0)} lost contact with another rank ({cause}{' from ' + where if where else ''}): "
+            "a rank or node died or the network between them failed. The first error is in that rank's log; "
+            "relaunch the same command to resume from the last checkpoint in output_dir")
 
 
 class StopRequest:
