@@ -168,3 +168,36 @@ def test_accelerate_launch_with_our_deepspeed_json(trained, tmp_path):
     assert ds["zero_optimization"]["stage"] == 3 and "distributed: 2 rank(s)" in log
     got = losses(tmp_path / "run")
     assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref.losses)) <= 1e-6
+
+
+def slurm_torchrun_flags() -> list[str]:
+    """The torchrun options tools/slurm/train.sbatch passes for preemption, read from the script itself."""
+    import re
+    import shlex
+
+    text = (REPO / "tools/slurm/train.sbatch").read_text()
+    flags = re.search(r"(--signals_to_handle \S+ --shutdown_timeout \d+)", text)
+    assert flags, "train.sbatch lost its torchrun preemption flags"
+    return shlex.split(flags.group(1))
+
+
+def test_slurm_script_preemption_signal_reaches_train_py_through_torchrun(tmp_path):
+    """Slurm's --signal=USR1 lands on torchrun (srun's task); with train.sbatch's flags torchrun forwards
+    it and train.py checkpoints and exits (resuming from such a checkpoint: tests/test_faults.py). Slurm
+    itself is not on this machine: the script is syntax-checked and its torchrun part runs for real."""
+    assert subprocess.run(["bash", "-n", str(REPO / "tools/slurm/train.sbatch")]).returncode == 0
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           *slurm_torchrun_flags(), "train.py", *FAST, "--max_steps", "5000", "--deepspeed", "ds_configs/zero2.json",
+           "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 180
+    while len(losses(out)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGUSR1)  # what Slurm sends to the step's task: the torchrun agent
+    [(code, log)] = finish([proc], timeout=180)
+    line = next((x for x in log.splitlines() if "preempted: SIGUSR1 received; checkpoint saved" in x), None)
+    assert line, log[-4000:]
+    step = int(line.split("(step ")[1].split(" ")[0])
+    assert (out / "checkpoints" / f"step-{step}").is_dir() and 3 <= step < 5000
