@@ -50,6 +50,12 @@ def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_st
     if "model_name_or_path: outputs/tiny-llama" in text:
         assert "# Needs:" in text and "quick start" in text  # the header says to run the quick start first
         extra = ["--model_name_or_path", str(quick_start_model)]
+    elif re.search(r"^model_name_or_path: (?!outputs/)", text, flags=re.M):
+        # a hub model (no network here): stood in for by its published config.json, the one the '# Memory:'
+        # command names; a config with model_type defines the same architecture on its own
+        shipped = re.search(r"--model (recipes/configs/\S+\.json)", text)
+        assert shipped, f"{recipe.name}: a hub model's '# Memory:' command must name its config in recipes/configs/"
+        extra = ["--model_config", shipped.group(1)]
     out = dry_run(["--recipe", str(recipe), *extra], capsys)
     assert "plan: model" in out and '"auto"' not in out
     assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate

@@ -109,7 +109,7 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
             if cls is AutoModelForCausalLM else cls._from_config(config, dtype=dtype)
         seeded_reinit(model, cfg.seed, rank)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.config.use_cache = False
     return model
 
@@ -234,3 +234,12 @@ def verify_export(engine, out_dir: Path, probe, rank: int, dtype) -> Optional[fl
         diff = (got - ref).abs().max().item()
     torch.distributed.barrier()
     return diff
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing (works with ZeRO-3's hooks). transformers 5 renamed the method
+    and deprecates the old name; older releases only have the old one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -92,7 +92,9 @@ def trace_peak(config, micro_batch: int, seq_len: int, dtype, gradient_checkpoin
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from ..model import enable_checkpointing
+
+            enable_checkpointing(model)
         model.train()
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))

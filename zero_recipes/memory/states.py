@@ -54,7 +54,7 @@ def _bucket(zero: dict, key: str, default: float) -> float:
 
 def _split(total: float, states: float, host: float) -> PhaseBytes:
     """A measured-or-derived total of one rank (device + host), split by the paper's accounting."""
-    states = min(states, total - host)
+    states = max(0.0, min(states, total - host))  # with offload, init's total can be below the host share
     return PhaseBytes(int(states), int(max(0.0, total - host - states)), int(host))
 
 
@@ -102,8 +102,10 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
                  "optimizer_step": steady + (p if N > 1 else 0), "init": p + 1 + 10 / N}
         states = {"steady": p + 16 / N, "forward_backward": p + 16 / N + p, "optimizer_step": p + 16 / N,
                   "init": p + 16 / N}
-        # init: the low-precision model and its flat copy go to the device, the fp32 partitions to the host
-        host = {k: (total[k] - 2 * p if k == "init" else 16 / N) for k in total}
+        # init: the low-precision model and its flat copy go to the device, the fp32 partitions to the host.
+        # The pinned staging is host memory by definition (page-locked for the copies); on the CPU accelerator,
+        # where it was measured, device and host are one pool, so this split is reasoned, not GPU-measured.
+        host = {k: (total[k] - 2 * p if k == "init" else 16 / N + 1.3) for k in total}
     else:
         # ZeRO-3. Measured: what stays gathered between steps plus the sub-group gradient buffer,
         # ~(1.2p + 0.3) B per parameter, capped like the gathered params (max_live_parameters +
@@ -120,7 +122,8 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         total = {"steady": steady, "forward_backward": steady + gathered + 2 * p * f + bucket + (p / 2 if off_opt else 0),
                  "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
                  "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N}
-        host_part = (16 / N if off_opt else 0) + (p / N if off_par else 0)
+        # the offloaded states and their pinned staging (2/N, page-locked host memory: see stage 1/2 above)
+        host_part = (18 / N if off_opt else 0) + (p / N if off_par else 0)
         states = dict.fromkeys(total, part - host_part)  # on the device
         host = dict.fromkeys(total, host_part)  # with offload, zero.Init builds the partitions on the host
     # What is live during the forward, before any grad exists: activations add to this, while the grads'

@@ -1,0 +1,210 @@
+"""Every recipe of the catalogue trains, for real, through train.py on this CPU.
+
+Each run is `train.py --recipe recipes/X.yaml` for 2 steps with only these stand-ins, because nothing can be
+downloaded here: the model is a tiny one of the recipe's model_type, made from the published config the recipe
+ships in recipes/configs/ (pretrained weights in a local directory for SFT recipes, a --model_config for the
+from-scratch ones), with the embedded tokenizer; the hub dataset is a tiny local directory laid out like the
+hub repo (same config name, split names, columns and format). Block size, logging and the eval cap are shrunk.
+Everything else stays as shipped: the DeepSpeed fragments (ZeRO stage, offload, bf16), gradient
+checkpointing, packing, streaming, micro-batch, accumulation, optimizer and schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, launch
+
+# recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
+# config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher).
+CATALOGUE = {
+    "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
+    "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
+    "llama-3.2-1b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
+    "llama-3.2-3b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
+    "qwen2.5-7b-sft-zero3.yaml": dict(data="smoltalk", nproc=1, stage=3, offload=(None, None)),
+    "mistral-7b-sft.yaml": dict(data="alpaca", nproc=1, stage=2, offload=(None, None)),
+    "llama-3.1-8b-sft-offload-24gb.yaml": dict(data="ultrachat", nproc=1, stage=3, offload=("cpu", "cpu")),
+    "llama-3.1-70b-sft-multinode.yaml": dict(data="ultrachat", nproc=2, stage=3, offload=(None, None)),
+}
+# the quick start's recipes: tiny-sft is trained by test_sft_training.py; tiny-llama is the embedded default
+# (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
+ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml"}
+
+# Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
+TINY = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+TINY["qwen2"] = TINY["mistral"] = TINY["llama"]
+BLOCK = {"text": 64, "sft": 128}
+
+
+def recipe_of(name: str) -> dict:
+    return yaml.safe_load((REPO / "recipes" / name).read_text())
+
+
+def shipped_config(name: str) -> Path:
+    """The published config.json of the recipe's architecture: its model_config (from-scratch recipes), or
+    the one its '# Memory:' command names (recipes that load a hub model)."""
+    recipe = recipe_of(name)
+    if recipe.get("model_config"):
+        return REPO / recipe["model_config"]
+    m = re.search(r"--model (recipes/configs/\S+\.json)", (REPO / "recipes" / name).read_text())
+    assert m, f"{name}: names no config in recipes/configs/"
+    return REPO / m.group(1)
+
+
+def test_every_recipe_is_in_the_catalogue_test():
+    shipped = {p.name for p in (REPO / "recipes").glob("*.yaml")} - ELSEWHERE
+    assert shipped == set(CATALOGUE), "add the recipe to CATALOGUE (or remove it from the table)"
+
+
+# ---- stand-ins -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(shared_cache):
+    from zero_recipes.config import TrainConfig
+    from zero_recipes.data import builtin_tokenizer_dir
+
+    return builtin_tokenizer_dir(TrainConfig())
+
+
+def tiny_config(name: str, tokenizer):
+    """The recipe's published config with the size fields shrunk; everything else (rope scaling, tied
+    embeddings, dropout, norms, activations) as published."""
+    from transformers import AutoConfig
+
+    fields = json.loads(shipped_config(name).read_text())
+    model_type = fields.pop("model_type")
+    fields.update(TINY[model_type], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    if "head_dim" in fields:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(name: str, tokenizer_dir: Path, out: Path) -> list[str]:
+    """The train.py flags that stand in for the recipe's model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_config(name, tokenizer)
+    if recipe_of(name).get("model_name_or_path"):  # fine-tuning: a pretrained model directory, as on the hub
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return ["--model_name_or_path", str(out)]
+    out.mkdir()  # from scratch: an architecture (model_config with model_type) and a tokenizer
+    config.to_json_file(out / "config.json")
+    return ["--model_config", str(out / "config.json"), "--tokenizer_name_or_path", str(tokenizer_dir)]
+
+
+WORDS = ("the model reads a file and returns a list of the values it found in each line while the "
+         "parser keeps the order of keys so that a second call gives the same result for every input").split()
+
+
+def sentence(i: int, n: int = 12) -> str:
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n)).capitalize() + "."
+
+
+def chat(i: int, system: bool = False) -> list[dict]:
+    turns = [{"role": "system", "content": "You are a helpful assistant."}] if system else []
+    for t in range(1 + i % 2):  # one or two exchanges
+        turns += [{"role": "user", "content": f"Question {i}.{t}: {sentence(i + t, 6)}"},
+                  {"role": "assistant", "content": sentence(i + t + 1, 8)}]
+    return turns
+
+
+def rows(kind: str, n: int, start: int = 0) -> list[dict]:
+    """Rows with the columns of the real dataset."""
+    out = []
+    for i in range(start, start + n):
+        if kind == "wikitext":  # one line per row: headings, paragraphs and the empty lines between them
+            out.append({"text": [" = Section {} = \n".format(i), "", " " + sentence(i, 40) + " \n"][i % 3]})
+        elif kind == "fineweb-edu":
+            out.append({"text": " ".join(sentence(i + k) for k in range(8)), "id": f"<urn:uuid:{i:08d}>",
+                        "dump": "CC-MAIN-2024-10", "url": f"https://example.org/{i}", "language": "en",
+                        "score": 3.1, "int_score": 3})
+        elif kind == "ultrachat":
+            messages = chat(i)
+            out.append({"prompt": messages[0]["content"], "prompt_id": f"{i:064x}", "messages": messages})
+        elif kind == "smoltalk":
+            out.append({"messages": chat(i, system=i % 3 == 0), "source": "smol-magpie-ultra"})
+        elif kind == "alpaca":
+            out.append({"instruction": sentence(i, 6), "input": "" if i % 2 else sentence(i + 1, 5),
+                        "output": sentence(i + 2, 8)})
+    return out
+
+
+def tiny_dataset(name: str, out: Path) -> list[str]:
+    """A local directory laid out like the recipe's hub dataset: its config name and split names in the
+    README's `configs`, the same columns, so the recipe's dataset options stay as shipped."""
+    import datasets
+
+    recipe, kind = recipe_of(name), CATALOGUE[name]["data"]
+    out.mkdir()
+    if kind == "alpaca":  # yahma/alpaca-cleaned: one JSON array at the repo root, a single train split
+        (out / "alpaca_data_cleaned.json").write_text(json.dumps(rows(kind, 400)))
+        return ["--dataset_name", str(out)]
+    splits = {recipe.get("dataset_split", "train"): rows(kind, 400)}
+    if recipe.get("eval_split"):
+        splits[recipe["eval_split"]] = rows(kind, 40, start=10_000)
+    config = recipe.get("dataset_config_name") or "default"
+    files = []
+    for split, data in splits.items():
+        path = f"{config}/{split}-00000-of-00001.parquet"
+        (out / config).mkdir(exist_ok=True)
+        datasets.Dataset.from_list(data).to_parquet(out / path)
+        files.append(f"  - split: {split}\n    path: {path}\n")
+    (out / "README.md").write_text(f"---\nconfigs:\n- config_name: {config}\n  data_files:\n{''.join(files)}---\n")
+    return ["--dataset_name", str(out)]
+
+
+# ---- the runs --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CATALOGUE))
+def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
+    from transformers import AutoModelForCausalLM
+
+    spec, recipe = CATALOGUE[name], recipe_of(name)
+    text = recipe.get("dataset_format") == "text"
+    args = ["--recipe", f"recipes/{name}",
+            *tiny_model(name, tokenizer_dir, tmp_path / "model"),
+            *tiny_dataset(name, tmp_path / "data"),
+            "--max_steps", "2", "--block_size", str(BLOCK["text" if text else "sft"]),
+            "--logging_steps", "1", "--max_eval_batches", "2"]
+    launcher = "deepspeed" if spec["nproc"] > 1 else "python"
+    run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
+
+    losses = run.losses
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.log[-3000:]
+    evals = [r for r in run.records if "eval_loss" in r]
+    assert evals and math.isfinite(evals[-1]["eval_loss"]), run.log[-3000:]
+
+    # the DeepSpeed config as resolved for the run: the recipe's stage, offload and precision
+    ds = json.loads((run.output_dir / "ds_config.json").read_text())
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == spec["stage"]
+    assert tuple((zero.get(k) or {}).get("device") for k in ("offload_optimizer", "offload_param")) == spec["offload"]
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["train_micro_batch_size_per_gpu"] == recipe["per_device_train_batch_size"]
+    assert ds["gradient_accumulation_steps"] == recipe["gradient_accumulation_steps"]
+    assert ds["train_batch_size"] == (recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
+                                      * spec["nproc"])
+    # and the rest of the run as shipped
+    run_config = json.loads((run.output_dir / "run_config.json").read_text())
+    for key in ("gradient_checkpointing", "packing", "streaming", "dataset_format", "dataset_config_name",
+                "dataset_split", "eval_split", "learning_rate", "lr_scheduler_type", "attn_implementation"):
+        if key in recipe:
+            assert run_config[key] == recipe[key], key
+
+    # the output is a Hugging Face model of the recipe's architecture
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir)
+    assert model.config.model_type == json.loads(shipped_config(name).read_text())["model_type"]
