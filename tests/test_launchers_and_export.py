@@ -21,6 +21,8 @@ def test_zero3_export_holds_the_gathered_trained_weights(trained):
     model = AutoModelForCausalLM.from_pretrained(run.output_dir)
     tok = AutoTokenizer.from_pretrained(run.output_dir)
     assert len(tok) == model.config.vocab_size
+    # generate() stops where the tokenizer ends text (the Llama default eos id 2 is '"' in this tokenizer)
+    assert model.generation_config.eos_token_id == model.config.eos_token_id == tok.eos_token_id
     ref = get_fp32_state_dict_from_zero_checkpoint(str(run.output_dir / "checkpoints"))
     exported = model.state_dict()
     assert set(ref) <= set(exported)

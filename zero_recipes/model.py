@@ -243,3 +243,15 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def use_tokenizer_special_ids(config, tokenizer) -> None:
+    """A config built from fields (the embedded Llama, a recipe's model_config) carries its architecture's
+    default bos/eos ids, which name arbitrary tokens of another tokenizer (the embedded Llama's eos 2 is '"',
+    so generate() stopped at the first quote). Take them from the tokenizer the model is trained with.
+    pad_token_id stays: Llama makes it the embedding's padding_idx, whose row never trains, and with the
+    embedded tokenizer pad is eos."""
+    text = config.get_text_config()
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            setattr(text, name, getattr(tokenizer, name))
