@@ -67,3 +67,25 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
 
     pred = {name: predicted(files) for name, files in CONFIGS.items()}
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory
+
+
+def test_settings_benchmark_arithmetic():
+    """`benchmark.py settings`: each variant is compared with the shipped config it modifies (the last
+    variant without a fragment before it), on speed after the warm-up steps and on per-step losses."""
+    sys.path.insert(0, str(REPO))
+    from tools.bench.settings import PARITY_TOL, VARIANTS, summarise
+
+    names = [name for name, *_ in VARIANTS]
+    shipped2, shipped3 = [name for name, _, fragment in VARIANTS if not fragment]  # the shipped baselines
+    overlap, z3_variant = names[names.index(shipped2) + 1], names[names.index(shipped3) + 1]
+    runs = {n: [{"losses": [8.0, 7.0, 6.0], "tokens_per_sec": [1.0, 100.0, 100.0]}] for n in names}
+    runs[overlap] = [{"losses": [8.0, 7.0, 6.5], "tokens_per_sec": [1.0, 150.0, 250.0]}]
+    runs[shipped3] = [{"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 50.0, 50.0]},
+                      {"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 70.0, 70.0]}]
+    out = summarise(runs, skip=1)
+    assert out[overlap]["tokens_per_sec"] == 200.0 and out[overlap]["vs_shipped"] == 2.0  # warm-up step left out
+    assert out[overlap]["max_abs_loss_delta"] == 0.5 and not out[overlap]["loss_parity"]
+    assert out[shipped2]["vs_shipped"] == 1.0 and out[shipped2]["loss_parity"]
+    assert out[shipped3]["tokens_per_sec"] == 60.0 and out[shipped3]["windows"] == 4
+    assert out[z3_variant]["vs_shipped"] == 100.0 / 60.0  # ZeRO-3 variants compare with zero3.json, not zero2.json
+    assert out[z3_variant]["max_abs_loss_delta"] == 1.0 > PARITY_TOL
