@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,9 +20,10 @@ FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    sys.path.insert(0, str(REPO))
+    from zero_recipes.distributed import free_port as pick
+
+    return pick()
 
 
 @dataclass
@@ -77,6 +77,15 @@ def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "d
     proc = subprocess.run(cmd + list(args) + ["--output_dir", str(output_dir)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return Run(proc, Path(output_dir), port if launcher != "python" else "")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pytest.ini runs 2 workers) each worker picks launcher ports from its own range
+    below the kernel's ephemeral ports (32768+), so parallel launches never collide (see free_port)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        lo = 12000 + 2000 * int(worker[2:])
+        os.environ["ZERO_RECIPES_PORTS"] = f"{lo}:{lo + 2000}"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -39,6 +39,29 @@ def set_threads(local_world: int) -> int:
     return n
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on. ZERO_RECIPES_PORTS=LO:HI picks from that range instead of the kernel's
+    ephemeral one: the test suite gives each parallel worker its own range below the ephemeral ports, so a
+    port chosen here can be taken neither by the other worker nor by gloo's own connections before the
+    launcher binds it."""
+    import random
+    import socket
+
+    span = os.environ.get("ZERO_RECIPES_PORTS")
+    candidates = [0]
+    if span:
+        lo, hi = (int(x) for x in span.split(":"))
+        candidates = random.sample(range(lo, hi), min(200, hi - lo))
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port in {span}")
+
+
 def init(timeout_minutes: int = 30) -> None:
     """Start the process group with DeepSpeed (NCCL on GPUs, gloo/shm on CPUs). A plain
     `python train.py` becomes a world of one."""
@@ -47,11 +70,7 @@ def init(timeout_minutes: int = 30) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

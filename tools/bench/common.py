@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,9 @@ def quiet(*_a, **_k):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from zero_recipes.distributed import free_port as pick  # one port policy for train.py, tests, benchmarks
+
+    return pick()
 
 
 def environment() -> dict:
