@@ -87,18 +87,22 @@ def probe(tmp_path, configs, ranks, micro=1, seq=16):
 ], ids=["zero2-bf16-2ranks", "zero3-fp32-1rank"])
 def test_model_states_match_real_deepspeed(configs, ranks, tmp_path):
     """Every phase's estimate against what DeepSpeed really allocated, on its most loaded rank. The same probe
-    repeated moved its forward/backward peak by up to 16 % (measured: when Python's cycle collector frees
-    DeepSpeed's and autograd's cyclic garbage varies with the environment), so this test allows the issue's
-    band plus that noise; benchmarks/estimator.md holds the per-point errors. ZeRO-3 on several ranks (also
-    subject to overlap_comm's asynchrony) is left to that table."""
+    repeated moves a phase's peak, so this test allows the issue's band plus that noise; benchmarks/estimator.md
+    holds the per-point errors. The noise comes in whole low-precision copies of the model: with ZeRO-2 on 2
+    ranks and a 5e7 reduce bucket, identical launches peaked at 105, 119 or 133 MB in the optimizer step and at
+    170 or 184 MB in forward/backward (steps of P x 2 B = 14 MB), depending on when the other rank's collective
+    completed (a gc.collect() between phases did not change it). So the lower bound allows one such copy beyond
+    the band. ZeRO-3 on several ranks (also subject to overlap_comm's asynchrony) is left to that table."""
     measured = probe(tmp_path, configs, ranks)
     e = estimate(llama(), measured["ds_config"], Launch(ranks, 1, 1, 16, adam_temporaries=True))
     rank = max(measured["ranks"], key=lambda r: max(r["peak"].values()))
     n = rank["num_params"]
     assert e.num_params == n  # the meta-device count matches the engine's
     for phase in ("forward_backward", "optimizer_step"):
-        err = rank_total(e, phase) / rank["peak"][phase] - 1
-        assert -(UNDER + NOISE) <= err <= OVER + NOISE, (phase, rank_total(e, phase), rank["peak"][phase])
+        one_copy = n * (2 if "bf16" in measured["ds_config"] and measured["ds_config"]["bf16"]["enabled"] else 4)
+        low = (1 - UNDER - NOISE) * rank["peak"][phase] - (one_copy if ranks > 1 else 0)
+        assert low <= rank_total(e, phase) <= (1 + OVER + NOISE) * rank["peak"][phase], \
+            (phase, rank_total(e, phase), rank["peak"][phase])
 
 
 def run_cli(*args):
