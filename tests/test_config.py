@@ -77,3 +77,18 @@ def test_model_config_inline_file_and_yaml(tmp_path):
     bad.write_text('{\n  "a": 1,\n}')
     with pytest.raises(ConfigError, match=r"bad.json:3:1: invalid JSON"):
         parse_model_config(str(bad))
+
+
+def test_accelerate_launch_passes_its_deepspeed_json_and_precision(monkeypatch):
+    """`accelerate launch` with a DeepSpeed accelerate config: its JSON and mixed_precision reach train.py
+    through the environment, and anything on the command line or in a recipe wins over them."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3.json")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    cfg, explicit = parse_args([])
+    assert cfg.deepspeed == ["ds_configs/zero3.json"] and cfg.bf16 is True and "bf16" in explicit
+    cfg, _ = parse_args(["--deepspeed", "ds_configs/zero2.json", "--fp16", "false"])
+    assert cfg.deepspeed == ["ds_configs/zero2.json"] and cfg.bf16 is None and cfg.fp16 is False
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # plain accelerate (DDP): nothing is taken
+    with pytest.raises(ConfigError, match="no DeepSpeed config given"):
+        parse_args([])

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .distributed import accelerate_launch_choices
+
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -322,26 +324,11 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
             raise ConfigError(f"--{key} takes one value, got {len(vals)}: {' '.join(vals) or '(none)'}")
         else:
             values[key] = coerce(key, vals[0])
-    values.update(accelerate_launch_choices(values))
+    values.update(accelerate_launch_choices(values))  # accelerate launch's DeepSpeed JSON and precision
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg, set(values) - {"local_rank"}
 
-
-def accelerate_launch_choices(values: dict) -> dict:
-    """`accelerate launch` with a DeepSpeed accelerate config hands its choices to the script in the
-    environment: the JSON (`deepspeed_config_file`) and `mixed_precision`. Taken when the recipe and the
-    command line are silent, so an accelerate config naming one of ds_configs/ works unchanged."""
-    env = os.environ
-    if env.get("ACCELERATE_USE_DEEPSPEED") != "true":
-        return {}
-    out: dict[str, Any] = {}
-    if "deepspeed" not in values and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
-        out["deepspeed"] = [env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]]
-    precision = env.get("ACCELERATE_MIXED_PRECISION")
-    if precision in ("bf16", "fp16") and "bf16" not in values and "fp16" not in values:
-        out[precision] = True
-    return out
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -17,6 +17,22 @@ def rank_info() -> tuple[int, int, int, int]:
     return rank, local_rank, world, local_world
 
 
+def accelerate_launch_choices(values: dict) -> dict:
+    """`accelerate launch` with a DeepSpeed accelerate config hands its choices to the script in the
+    environment: the JSON (`deepspeed_config_file`) and `mixed_precision`. Taken when the recipe and the
+    command line are silent, so an accelerate config naming one of ds_configs/ works unchanged."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED") != "true":
+        return {}
+    out: dict = {}
+    if "deepspeed" not in values and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        out["deepspeed"] = [env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]]
+    precision = env.get("ACCELERATE_MIXED_PRECISION")
+    if precision in ("bf16", "fp16") and "bf16" not in values and "fp16" not in values:
+        out[precision] = True
+    return out
+
+
 def _local_world_from_launcher(world: int) -> int:
     # The deepspeed launcher sets no LOCAL_WORLD_SIZE; it passes the node's ranks in CROSS_* or nothing.
     for var in ("LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
