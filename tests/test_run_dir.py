@@ -30,9 +30,17 @@ def test_different_run_is_refused_unless_overwrite(tmp_path):
     assert "holds a different run (changed: learning_rate)" in refused.log
     assert "Traceback" not in refused.log
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing of the old run lost
+    old_events = list((out / "tensorboard").glob("events.*"))
+    (out / "plots").mkdir()
+    (out / "plots" / "loss.png").write_bytes(b"old chart")  # what tools/plot_metrics.py leaves by default
+    (out / "notes.txt").write_text("mine")
     over = launch(FAST + ZERO2 + ["--max_steps", "2", "--learning_rate", "1e-4", "--overwrite_output_dir"], out)
     assert "resume: loaded" not in over.check().log
     assert [r["step"] for r in over.records if "loss" in r] == [1, 2]
+    # the old run's derived files go (TensorBoard would draw both runs as one line); the user's stay
+    events = list((out / "tensorboard").glob("events.*"))
+    assert len(old_events) == 1 and len(events) == 1 and events != old_events
+    assert not (out / "plots").exists() and (out / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])

@@ -78,6 +78,8 @@ def clear_previous_run(output_dir: Path) -> None:
     """--overwrite_output_dir: remove what an earlier zero-recipes run wrote, nothing else."""
     shutil.rmtree(checkpoints_dir(output_dir), ignore_errors=True)
     shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)  # else TensorBoard draws both runs as one
+    shutil.rmtree(output_dir / "plots", ignore_errors=True)  # tools/plot_metrics.py's charts of the old run
+    # wandb/ stays: an offline W&B run may not be synced yet; the new run gets a new W&B id
     for name in ("metrics.jsonl", RUN_CONFIG, "ds_config.json", "wandb_run_id"):
         (output_dir / name).unlink(missing_ok=True)
 

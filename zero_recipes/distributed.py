@@ -166,7 +166,8 @@ def lost_peer(error: BaseException) -> str | None:
     if not (isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)):
         return None
     cause = next((m for m in _LOST_PEER if m in text), type(error).__name__)
-    peer = re.search(r"(?:Read|Write) error \[([^\]]+)\]", text)  # gloo names the peer's address
+    # gloo names the peer: "Read error [10.0.0.2]:41234: ..." or "Connection closed by peer [10.0.0.2]:41234"
+    peer = re.search(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]", text)
     where = peer.group(1) if peer else ""
     return (f"rank {os.environ.get('RANK', 0)} lost contact with another rank ({cause}{' from ' + where if where else ''}): "
             "a rank or node died or the network between them failed. The first error is in that rank's log; "
