@@ -90,11 +90,11 @@ def main(argv: list[str]) -> int:
     # ---- every "auto" resolved now, before the model exists (zero.Init reads the config) -------------
     if cfg.model_name_or_path is None and cfg.model_config is None:
         model_config.vocab_size = len(tokenizer)  # the embedded model is sized to the embedded tokenizer
-    if cfg.model_name_or_path is None:  # random init: generate() must stop where the tokenizer ends text
-        modeling.use_tokenizer_special_ids(model_config, tokenizer)
     elif len(tokenizer) > model_config.get_text_config().vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer")
+    if cfg.model_name_or_path is None:  # random init: generate() must stop where the tokenizer ends text
+        modeling.use_tokenizer_special_ids(model_config, tokenizer)
     ds, _ = ds_config.resolve(raw_ds, cfg, explicit, world, modeling.hidden_size(model_config), total_steps)
     # Only now, with the data and config known good, is output_dir touched: bad input leaves it as it was.
     torch.distributed.barrier()  # every rank has read output_dir before rank 0 writes to it
@@ -391,8 +391,8 @@ if __name__ == "__main__":
                 print("error: fp16 loss scale hit its minimum: the gradients keep overflowing. Use bf16 "
                       "(ds_configs/bf16.json), lower --learning_rate, or lower min_loss_scale in the fp16 block",
                       file=sys.stderr, flush=True)
-        elif distributed.lost_peer(e):  # every surviving rank says it: each node's log shows the cause
-            print(f"\nerror: {distributed.lost_peer(e)}", file=sys.stderr, flush=True)  # \n: after tqdm's bar
+        elif line := distributed.lost_peer(e):  # every surviving rank says it: each node's log shows the cause
+            print(f"\nerror: {line}", file=sys.stderr, flush=True)  # \n: after tqdm's bar
         else:
             import traceback
 

@@ -80,3 +80,17 @@ def test_output_dir_with_foreign_files_is_refused_and_kept(tmp_path):
     line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--output_dir", str(out)))
     assert "holds no zero-recipes run" in line and "--overwrite_output_dir" in line
     assert (out / "thesis.txt").read_text() == "precious"
+
+
+def test_model_config_vocab_smaller_than_the_tokenizer(tmp_path):
+    """A random-init architecture whose vocab cannot hold the tokenizer's ids fails before anything is
+    written, not with an embedding index error mid-step."""
+    small = '{"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, ' \
+            '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
+    out = tmp_path / "run"
+    proc = run_train("--model_config", small, "--deepspeed", "ds_configs/zero2.json", "--max_steps", "1",
+                     "--block_size", "32", "--report_to", "none", "--output_dir", str(out))
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]  # after the data's progress bars
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
+    assert "tokenizer has 4096 tokens but the model's vocab_size is 100" in errors[0]
+    assert not out.exists()
