@@ -181,6 +181,7 @@ RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+TRACKERS = ("tensorboard", "wandb")  # what `report_to` can name, besides "all" and "none"
 
 
 def field_docs() -> dict[str, str]:
@@ -350,8 +351,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dataset_format not in DATASET_FORMATS:
         raise unknown_choice_error("dataset_format", cfg.dataset_format, DATASET_FORMATS)
     for target in cfg.report_to:
-        if target not in ("tensorboard", "wandb", "all", "none"):
-            raise unknown_choice_error("report_to", target, ("tensorboard", "wandb", "all", "none"))
+        if target not in (*TRACKERS, "all", "none"):
+            raise unknown_choice_error("report_to", target, (*TRACKERS, "all", "none"))
     if cfg.streaming and cfg.max_steps <= 0:
         raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
     if cfg.min_document_tokens < 0:

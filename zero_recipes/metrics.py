@@ -125,18 +125,16 @@ def memory_stats() -> dict:
 
 
 def report_targets(report_to: list[str]) -> list[str]:
-    """`report_to` resolved: 'all' is both trackers, 'none' neither. A tracker asked for (the default
+    """`report_to` resolved: 'all' is every tracker, 'none' none. A tracker asked for (the default
     TensorBoard included; it is in requirements.txt) must be installed: the error names the install."""
-    from .config import ConfigError
+    import importlib.util
 
-    wanted = [] if "none" in report_to else ["tensorboard", "wandb"] if "all" in report_to else list(report_to)
-    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        if name in wanted:
-            import importlib.util
+    from .config import TRACKERS, ConfigError
 
-            if importlib.util.find_spec(module) is None:
-                raise ConfigError(f"--report_to {name} needs the {module} package: pip install {module} "
-                                  f"(or --report_to none)")
+    wanted = [] if "none" in report_to else list(TRACKERS) if "all" in report_to else list(report_to)
+    for name in wanted:  # each tracker's package has its name
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--report_to {name} needs the {name} package: pip install {name} (or --report_to none)")
     return wanted
 
 
