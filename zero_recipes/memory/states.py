@@ -47,6 +47,11 @@ class PhaseBytes:
         return self.states + self.buffers
 
 
+# Optimizer offload's pinned staging, B/param (measured on the CPU accelerator): ZeRO-1/2 ~1.3 per rank,
+# ZeRO-3 ~2 over N. Page-locked host memory, so the estimate counts it on the host.
+PINNED_STAGING_12, PINNED_STAGING_3 = 1.3, 2.0
+
+
 def _bucket(zero: dict, key: str, default: float) -> float:
     value = zero.get(key, default)
     return float(value) if isinstance(value, (int, float)) else default
@@ -97,7 +102,7 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
     elif s.stage in (1, 2):
         # Optimizer offload: master, Adam and an fp32 grad partition live on the host (16/N); measured beyond
         # that: ~1.3 B/param of pinned staging and ~1/N of DeepSpeedCPUAdam's flat views
-        steady = p + 1.3 + 17 / N
+        steady = p + PINNED_STAGING_12 + 17 / N
         total = {"steady": steady, "forward_backward": steady + p * (1 + f),
                  "optimizer_step": steady + (p if N > 1 else 0), "init": p + 1 + 10 / N}
         states = {"steady": p + 16 / N, "forward_backward": p + 16 / N + p, "optimizer_step": p + 16 / N,
@@ -105,7 +110,7 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         # init: the low-precision model and its flat copy go to the device, the fp32 partitions to the host.
         # The pinned staging is host memory by definition (page-locked for the copies); on the CPU accelerator,
         # where it was measured, device and host are one pool, so this split is reasoned, not GPU-measured.
-        host = {k: (total[k] - 2 * p if k == "init" else 16 / N + 1.3) for k in total}
+        host = {k: (total[k] - 2 * p if k == "init" else 16 / N + PINNED_STAGING_12) for k in total}
     else:
         # ZeRO-3. Measured: what stays gathered between steps plus the sub-group gradient buffer,
         # ~(1.2p + 0.3) B per parameter, capped like the gathered params (max_live_parameters +
@@ -117,13 +122,13 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         if off_opt:
             # grads live in the host's fp32 partition (16/N with master and Adam); measured beyond that:
             # ~2/N of pinned staging, and ~p/2 more in backward while grads stream to the host
-            part = (p + 18) / N
+            part = (p + 16 + PINNED_STAGING_3) / N
         steady = resident + part
         total = {"steady": steady, "forward_backward": steady + gathered + 2 * p * f + bucket + (p / 2 if off_opt else 0),
                  "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
                  "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N}
-        # the offloaded states and their pinned staging (2/N, page-locked host memory: see stage 1/2 above)
-        host_part = (18 / N if off_opt else 0) + (p / N if off_par else 0)
+        # the offloaded states and their pinned staging
+        host_part = ((16 + PINNED_STAGING_3) / N if off_opt else 0) + (p / N if off_par else 0)
         states = dict.fromkeys(total, part - host_part)  # on the device
         host = dict.fromkeys(total, host_part)  # with offload, zero.Init builds the partitions on the host
     # What is live during the forward, before any grad exists: activations add to this, while the grads'
