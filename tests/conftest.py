@@ -12,18 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from zero_recipes.distributed import free_port  # noqa: E402,F401 -- one port policy for train.py, tests, benchmarks
 
 # Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
 FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size", "4",
         "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--learning_rate", "3e-3",
         "--warmup_steps", "1", "--max_eval_batches", "4"]
-
-
-def free_port() -> int:
-    sys.path.insert(0, str(REPO))
-    from zero_recipes.distributed import free_port as pick
-
-    return pick()
 
 
 @dataclass

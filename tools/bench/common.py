@@ -10,16 +10,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO))
+from zero_recipes.distributed import free_port  # noqa: E402,F401 -- one port policy for train.py, tests, benchmarks
 
 
 def quiet(*_a, **_k):
     pass
-
-
-def free_port() -> int:
-    from zero_recipes.distributed import free_port as pick  # one port policy for train.py, tests, benchmarks
-
-    return pick()
 
 
 def environment() -> dict:
