@@ -17,6 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from zero_recipes.checkpoint import find_checkpoint  # noqa: E402
+from zero_recipes.config import ConfigError  # noqa: E402
+
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 END_OF_TURN = "<|im_end|>"  # the default ChatML-style template's end of turn (plain text, not a special token)
 
@@ -29,7 +33,11 @@ def check_model_dir(d: Path) -> None:
     if not d.is_dir():
         raise InputError(f"{d} is not a directory; give a finished train.py --output_dir or an HF model directory")
     if not (d / "config.json").is_file() or not any((d / w).is_file() for w in WEIGHTS):
-        if (d / "checkpoints").is_dir() or (d / "latest").is_file() or any(d.glob("*model_states.pt")):
+        try:  # the checkpoint lookup export_hf.py and resume use: an output_dir, its checkpoints/ or a step-N
+            found = find_checkpoint(d)
+        except ConfigError as e:
+            raise InputError(str(e)) from None
+        if found is not None:
             run = d.parent.parent if d.parent.name == "checkpoints" else d.parent if d.name == "checkpoints" else d
             raise InputError(f"{d} holds DeepSpeed checkpoints but no exported model (a run stopped before its "
                              f"export, or a checkpoint directory); export one with `python tools/export_hf.py {d} "
@@ -50,8 +58,9 @@ def render_prompt(tok, prompt: str, use_template: bool) -> tuple[str, bool]:
 
 def stop_ids(tok, model) -> list[int]:
     """The tokenizer's EOS, plus the generation config's EOS ids that are special tokens (e.g. an
-    instruct model's end-of-turn). A config EOS that is an ordinary token is left out: the embedded model's
-    config says 2, which its tokenizer uses for '"', and stopping there would cut answers at the first quote."""
+    instruct model's end-of-turn). A config EOS that is an ordinary token is left out: models exported before
+    train.py took bos/eos from the tokenizer say 2, which the embedded tokenizer uses for '"', and stopping
+    there would cut answers at the first quote."""
     ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
     config_eos = model.generation_config.eos_token_id
     for i in config_eos if isinstance(config_eos, list) else [config_eos]:
