@@ -1,77 +1,12 @@
-"""Helpers that run train.py for real: the real launchers, real DeepSpeed, 2 CPU ranks."""
+"""Session fixtures: one data cache, and each (config, precision) trained once for the tests that share it.
+The helpers they use are in helpers.py (tests/ is on pytest's pythonpath)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from zero_recipes.distributed import free_port  # noqa: E402,F401 -- one port policy for train.py, tests, benchmarks
-
-# Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
-FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size", "4",
-        "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--learning_rate", "3e-3",
-        "--warmup_steps", "1", "--max_eval_batches", "4"]
-
-
-@dataclass
-class Run:
-    proc: subprocess.CompletedProcess
-    output_dir: Path
-    port: str = ""
-
-    @property
-    def records(self) -> list[dict]:
-        path = self.output_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    @property
-    def losses(self) -> list[float]:
-        return [r["loss"] for r in self.records if "loss" in r]
-
-    @property
-    def log(self) -> str:
-        return self.proc.stdout + self.proc.stderr
-
-    def check(self) -> "Run":
-        assert self.proc.returncode == 0, f"train.py failed ({self.proc.returncode}):\n{self.log[-6000:]}"
-        # DeepSpeed's CPU shm all-reduce leaves a 69 MB /dev/shm segment per rank unless train.py removes it
-        leaked = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.port}_*")) if self.port else []
-        assert not leaked, f"shared-memory segments left behind: {leaked}"
-        return self
-
-
-def remove_shm(port) -> None:
-    """A SIGKILLed rank cannot remove its DeepSpeed shm segment (69 MB); tests that kill one clean up."""
-    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-        f.unlink(missing_ok=True)
-
-
-def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "deepspeed",
-           timeout: int = 600, env: dict | None = None) -> Run:
-    port = str(free_port())
-    if launcher == "deepspeed":
-        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               "train.py"]
-    elif launcher == "python":
-        cmd = [sys.executable, "train.py"]
-    else:
-        raise ValueError(launcher)
-    full_env = dict(os.environ)
-    full_env.pop("OMP_NUM_THREADS", None)  # as under the deepspeed launcher: train.py must set it
-    full_env.update(env or {})
-    proc = subprocess.run(cmd + list(args) + ["--output_dir", str(output_dir)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    return Run(proc, Path(output_dir), port if launcher != "python" else "")
+from helpers import CONFIGS, FAST, PRECISIONS, aio_available, launch
 
 
 def pytest_configure(config):
@@ -89,28 +24,6 @@ def shared_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("zero-recipes-cache")
     os.environ["ZERO_RECIPES_CACHE"] = str(cache)
     return cache
-
-
-CONFIGS = {
-    "zero0": ["ds_configs/zero0.json"],
-    "zero1": ["ds_configs/zero1.json"],
-    "zero2": ["ds_configs/zero2.json"],
-    "zero3": ["ds_configs/zero3.json"],
-    "zero2+offload_optimizer": ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"],
-    "zero3+offload_all": ["ds_configs/zero3.json", "ds_configs/offload_all.json"],
-    "zero3+nvme": ["ds_configs/zero3.json", "ds_configs/nvme.json"],
-}
-PRECISIONS = {"fp32": [], "bf16": ["ds_configs/bf16.json"]}
-
-# max |logits(reloaded HF model) - logits(engine)|: fp32 is exact up to kernel order; bf16 exports the
-# bf16 weights the engine computes with.
-EXPORT_TOL = {"fp32": 1e-5, "bf16": 1e-2}
-
-
-def aio_available() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_data_benchmark_quick(tmp_path):
@@ -21,22 +21,6 @@ def test_data_benchmark_quick(tmp_path):
     assert packing["with_packing"]["utilisation"] > packing["without_packing"]["utilisation"]
     assert first["cold_seconds"] > 0 and first["cached_seconds"] > 0
     assert r["versions"]["deepspeed"] and r["machine"]["cores"] > 0
-
-
-def test_export_benchmark_samples_the_memory_a_child_allocates():
-    """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
-    must read as about 300 MB more than one that allocates nothing."""
-    sys.path.insert(0, str(REPO))
-    from tools.bench.export import peak_memory
-
-    def child(nbytes):
-        return peak_memory([sys.executable, "-c", f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * "
-                            f"len(b[::4096]); time.sleep(0.5)"])
-
-    idle, busy = child(0), child(300_000_000)
-    grew = busy["RssAnon"] - idle["RssAnon"]
-    assert 280e6 <= grew <= 330e6, (idle, busy)
-    assert busy["VmRSS"] >= busy["RssAnon"]
 
 
 def test_train_speed_benchmark_quick(tmp_path):
@@ -69,23 +53,3 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory
 
 
-def test_settings_benchmark_arithmetic():
-    """`benchmark.py settings`: each variant is compared with the shipped config it modifies (the last
-    variant without a fragment before it), on speed after the warm-up steps and on per-step losses."""
-    sys.path.insert(0, str(REPO))
-    from tools.bench.settings import PARITY_TOL, VARIANTS, summarise
-
-    names = [name for name, *_ in VARIANTS]
-    shipped2, shipped3 = [name for name, _, fragment in VARIANTS if not fragment]  # the shipped baselines
-    overlap, z3_variant = names[names.index(shipped2) + 1], names[names.index(shipped3) + 1]
-    runs = {n: [{"losses": [8.0, 7.0, 6.0], "tokens_per_sec": [1.0, 100.0, 100.0]}] for n in names}
-    runs[overlap] = [{"losses": [8.0, 7.0, 6.5], "tokens_per_sec": [1.0, 150.0, 250.0]}]
-    runs[shipped3] = [{"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 50.0, 50.0]},
-                      {"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 70.0, 70.0]}]
-    out = summarise(runs, skip=1)
-    assert out[overlap]["tokens_per_sec"] == 200.0 and out[overlap]["vs_shipped"] == 2.0  # warm-up step left out
-    assert out[overlap]["max_abs_loss_delta"] == 0.5 and not out[overlap]["loss_parity"]
-    assert out[shipped2]["vs_shipped"] == 1.0 and out[shipped2]["loss_parity"]
-    assert out[shipped3]["tokens_per_sec"] == 60.0 and out[shipped3]["windows"] == 4
-    assert out[z3_variant]["vs_shipped"] == 100.0 / 60.0  # ZeRO-3 variants compare with zero3.json, not zero2.json
-    assert out[z3_variant]["max_abs_loss_delta"] == 1.0 > PARITY_TOL

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import CONFIGS, FAST, launch
+from helpers import CONFIGS, FAST, launch
 
 # max |loss after a converted resume - uninterrupted loss| over steps 5-8, fp32. The same rows train each
 # step (world x accumulation is kept). ZeRO-1/2: only the summation order differs (measured 1e-6).

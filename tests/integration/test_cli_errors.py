@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 
 def run_train(*args, cwd=REPO):

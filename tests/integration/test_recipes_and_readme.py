@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import train
-from conftest import REPO
+from helpers import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import FAST, launch
+from helpers import FAST, launch
 
 
 def test_tensorboard_has_the_metrics_jsonl_scalars(trained):

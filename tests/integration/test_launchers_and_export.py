@@ -2,7 +2,7 @@
 
 import torch
 
-from conftest import FAST, launch
+from helpers import FAST, launch
 
 
 def test_torchrun_matches_deepspeed_launcher(trained, tmp_path):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import FAST, REPO, launch
+from helpers import FAST, REPO, launch
 
 
 def load_tool(name):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import EXPORT_TOL, REPO
+from helpers import EXPORT_TOL, REPO
 
 
 def export(*args):

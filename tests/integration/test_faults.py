@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import FAST, REPO, free_port, launch, remove_shm
+from helpers import FAST, REPO, free_port, launch, remove_shm
 
 ARGS = [a for a in FAST] + ["--deepspeed", "ds_configs/zero2.json"]
 ARGS[ARGS.index("--max_steps") + 1] = "60"

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import FAST, launch
+from helpers import FAST, launch
 
 
 def rewind(run_dir, step):

@@ -3,7 +3,7 @@ and every ZeRO stage computes the same losses as plain data parallel from the sa
 
 import pytest
 
-from conftest import CONFIGS, EXPORT_TOL, PRECISIONS
+from helpers import CONFIGS, EXPORT_TOL, PRECISIONS
 
 # Measured on this CPU (2 ranks, 8 steps, fp32): ZeRO-1/2/3, both offloads and NVMe agree with ZeRO-0 to
 # 1e-6, the rounding of metrics.jsonl. The bound is 10x that.
@@ -59,7 +59,7 @@ def test_grad_norm_is_logged_for_every_config(trained):
 def test_torch_compile_trains_with_the_same_losses(trained, tmp_path):
     """--torch_compile (DeepSpeed's engine.compile, inductor) changes how, not what: the same 8 fp32 losses
     as the eager ZeRO-2 run, through the launcher on 2 ranks. Measured agreement: 1e-7."""
-    from conftest import FAST, launch
+    from helpers import FAST, launch
 
     ref = trained("zero2", "fp32").check()
     run = launch(FAST + ["--deepspeed", *CONFIGS["zero2"], "--torch_compile", "true", "--save_steps", "4"],

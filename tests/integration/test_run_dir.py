@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import CONFIGS, FAST, launch, remove_shm
+from helpers import CONFIGS, FAST, launch, remove_shm
 
 ZERO2 = ["--deepspeed", "ds_configs/zero2.json"]
 

@@ -1,0 +1,79 @@
+"""tools/estimate_memory.py: each component checked against measurement on the CPU (real DeepSpeed through the
+launcher, the torch profiler's allocator events), the CLI offline on local config.json files, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, free_port
+
+sys.path.insert(0, str(REPO))
+
+from zero_recipes.memory import Launch, activation_bytes, estimate, parse_memory, rank_total  # noqa: E402
+
+SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 688, "vocab_size": 8000}
+# the estimate may be over by up to 10 % and under by up to 5 % (the issue's target)
+OVER, UNDER = 0.10, 0.05
+NOISE = 0.10  # run-to-run variation of a real DeepSpeed run's peak (see test_model_states_match_real_deepspeed)
+
+
+def llama(**kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", **{**SMALL, **kw})
+
+
+def measured_fwd_bwd(config, micro, seq, dtype, gc) -> int:
+    """Peak live bytes of a real forward+backward (grads dropped as ZeRO does), from the allocator events."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    ids = torch.randint(0, config.vocab_size, (micro, seq))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    live = peak = 0
+    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                       if e.name() == "[memory]"):
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype,gc,attn", [(torch.bfloat16, False, "sdpa"), (torch.bfloat16, True, "sdpa"),
+
+
+@pytest.mark.parametrize("dtype,gc,attn", [(torch.bfloat16, False, "sdpa"), (torch.bfloat16, True, "sdpa"),
+                                           (torch.float32, False, "eager")], ids=["bf16", "bf16-gc", "fp32-eager"])
+def test_activations_match_a_real_forward_backward(dtype, gc, attn):
+    config = llama(attn_implementation=attn)
+    predicted = activation_bytes(config, 2, 256, dtype, gc, attn)
+    assert predicted.method == "traced"
+    real = measured_fwd_bwd(config, 2, 256, dtype, gc)
+    assert -UNDER <= predicted.bytes / real - 1 <= OVER, (predicted.bytes, real)
+
+
+def test_activation_terms_move_the_right_way():
+    """Checkpointing saves memory, eager attention costs its s x s matrix, a longer sequence costs more."""
+    bf16 = torch.bfloat16
+    plain = activation_bytes(llama(), 2, 256, bf16, False).bytes
+    assert activation_bytes(llama(), 2, 256, bf16, True).bytes < plain
+    assert activation_bytes(llama(), 2, 256, bf16, False, "eager").bytes > plain
+    assert activation_bytes(llama(), 2, 512, bf16, False).bytes > 1.9 * plain
+
+
+def test_parse_memory():
+    assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("24GB") == 24 * 10**9
+    assert parse_memory("512 mib") == 512 * 2**20
+
+
