@@ -1,18 +1,15 @@
-"""tools/estimate_memory.py: each component checked against measurement on the CPU (real DeepSpeed through the
-launcher, the torch profiler's allocator events), the CLI offline on local config.json files, bad input."""
+"""tools/estimate_memory.py: model states checked against real DeepSpeed through the launcher on the CPU (the torch
+profiler's allocator events), the CLI offline on local config.json files, bad input. The activation term is checked
+in process by tests/unit/test_memory_estimate.py."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from helpers import REPO, free_port
-
-sys.path.insert(0, str(REPO))
-
-from zero_recipes.memory import Launch, activation_bytes, estimate, parse_memory, rank_total  # noqa: E402
+from zero_recipes.memory import Launch, estimate, rank_total
 
 SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 688, "vocab_size": 8000}
@@ -25,29 +22,6 @@ def llama(**kw):
     from transformers import AutoConfig
 
     return AutoConfig.for_model("llama", **{**SMALL, **kw})
-
-
-def measured_fwd_bwd(config, micro, seq, dtype, gc) -> int:
-    """Peak live bytes of a real forward+backward (grads dropped as ZeRO does), from the allocator events."""
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    ids = torch.randint(0, config.vocab_size, (micro, seq))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    live = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]"):
-        live += n
-        peak = max(peak, live)
-    return peak
 
 
 def probe(tmp_path, configs, ranks, micro=1, seq=16):
