@@ -17,18 +17,15 @@
     python tools/benchmark.py settings                  # --quick: tiny model, 4 steps
 
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} with the date, versions and machine. The
-code lives in tools/bench/, one module per benchmark.
+code lives in zero_recipes/bench/, one module per benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # zero_recipes and tools.bench
-
-from tools.bench import data, estimator, export, gpu, settings, speed  # noqa: E402
+from zero_recipes.bench import data, estimator, export, gpu, settings, speed
 
 
 def main(argv: list[str]) -> int:

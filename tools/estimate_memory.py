@@ -20,9 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from zero_recipes.config import ConfigError  # noqa: E402
+from zero_recipes.config import ConfigError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_CONFIGS = [("zero1", ["ds_configs/zero1.json"]), ("zero2", ["ds_configs/zero2.json"]),
@@ -36,7 +34,6 @@ TABLE_CONFIGS = [("zero1", ["ds_configs/zero1.json"]), ("zero2", ["ds_configs/ze
 PREFERENCE = [(name, gc) for group in (("zero1", "zero2", "zero3"), ("zero2+offload_optimizer",
                                                                     "zero3+offload_optimizer"), ("zero3+offload_all",))
               for gc in (False, True) for name in group]
-REPO = Path(__file__).resolve().parent.parent
 
 
 def gb(n: float) -> str:

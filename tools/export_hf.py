@@ -18,11 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from zero_recipes.checkpoint import HF_FILES, find_checkpoint  # noqa: E402
-from zero_recipes.config import ConfigError  # noqa: E402
+from zero_recipes.checkpoint import HF_FILES, find_checkpoint
+from zero_recipes.config import ConfigError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -17,9 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zero_recipes.checkpoint import find_checkpoint  # noqa: E402
-from zero_recipes.config import ConfigError  # noqa: E402
+from zero_recipes.checkpoint import find_checkpoint
+from zero_recipes.config import ConfigError
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 END_OF_TURN = "<|im_end|>"  # the default ChatML-style template's end of turn (plain text, not a special token)

@@ -46,8 +46,7 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
                           capture_output=True, text=True, timeout=120)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0]
-    sys.path.insert(0, str(REPO))
-    from tools.bench.gpu import CONFIGS, predicted
+    from zero_recipes.bench.gpu import CONFIGS, predicted
 
     pred = {name: predicted(files) for name, files in CONFIGS.items()}
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory

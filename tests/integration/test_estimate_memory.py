@@ -26,9 +26,9 @@ def llama(**kw):
 
 def probe(tmp_path, configs, ranks, micro=1, seq=16):
     out = tmp_path / "probe.json"
-    launcher = [sys.executable] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
-                                                     str(free_port())]
-    proc = subprocess.run(launcher + ["tools/bench/memory_probe.py", "--deepspeed", *configs, "--model_config",
+    launcher = [sys.executable, "-m"] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
+                                                           str(free_port()), "--module"]
+    proc = subprocess.run(launcher + ["zero_recipes.bench.memory_probe", "--deepspeed", *configs, "--model_config",
                                       json.dumps(SMALL), "--per_device_train_batch_size", str(micro), "--block_size",
                                       str(seq), "--probe_out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)

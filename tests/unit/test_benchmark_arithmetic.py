@@ -1,19 +1,15 @@
-"""tools/benchmark.py data --quick runs end to end on the real pipeline, run_clm.py's and train.py, and writes
-its report. The figures themselves are machine-dependent; only their signs and orderings are checked."""
+"""tools/benchmark.py's arithmetic, without a launcher: the export benchmark's memory sampling and the settings
+benchmark's comparisons (zero_recipes/bench/)."""
 
-import json
-import subprocess
 import sys
 
-from helpers import REPO
+from zero_recipes.bench.export import peak_memory
+from zero_recipes.bench.settings import PARITY_TOL, VARIANTS, summarise
 
 
 def test_export_benchmark_samples_the_memory_a_child_allocates():
     """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
     must read as about 300 MB more than one that allocates nothing."""
-    sys.path.insert(0, str(REPO))
-    from tools.bench.export import peak_memory
-
     def child(nbytes):
         return peak_memory([sys.executable, "-c", f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * "
                             f"len(b[::4096]); time.sleep(0.5)"])
@@ -27,9 +23,6 @@ def test_export_benchmark_samples_the_memory_a_child_allocates():
 def test_settings_benchmark_arithmetic():
     """`benchmark.py settings`: each variant is compared with the shipped config it modifies (the last
     variant without a fragment before it), on speed after the warm-up steps and on per-step losses."""
-    sys.path.insert(0, str(REPO))
-    from tools.bench.settings import PARITY_TOL, VARIANTS, summarise
-
     names = [name for name, *_ in VARIANTS]
     shipped2, shipped3 = [name for name, _, fragment in VARIANTS if not fragment]  # the shipped baselines
     overlap, z3_variant = names[names.index(shipped2) + 1], names[names.index(shipped3) + 1]

@@ -11,7 +11,7 @@ states.py counts. Only 1 and 2 layers are traced and the rest extrapolated (laye
 70B model costs the same seconds as a tiny one. Where tracing cannot run (remote code that breaks under
 fake tensors), a closed form after Korthikanti et al. (arXiv 2205.05198) stands in, and says so.
 
-Measured against the torch profiler on real tensors (tools/bench/estimator.py): within +4 % in bf16,
+Measured against the torch profiler on real tensors (zero_recipes/bench/estimator.py): within +4 % in bf16,
 +6 % in fp32, and exact with gradient checkpointing, always over, never under.
 """
 

@@ -2,7 +2,7 @@
 
 Bytes per parameter (Psi) follow the ZeRO paper (arXiv 1910.02054) where DeepSpeed does what the paper
 says, and DeepSpeed 0.19.8's code where it does more. Every term below was checked against the torch
-profiler's allocator events of real DeepSpeed runs on the CPU accelerator (tools/bench/memory_probe.py,
+profiler's allocator events of real DeepSpeed runs on the CPU accelerator (zero_recipes/bench/memory_probe.py,
 N = 1, 2, 4 ranks); the constants that are measured rather than derived say so.
 
 p: bytes of a training parameter (2 in bf16/fp16, 4 in fp32). N: data-parallel ranks. F: the largest

@@ -1,7 +1,7 @@
 """The floor: a hand-written DeepSpeed loop over the same rows, model, optimizer and config as train.py,
 with nothing else (no logging, eval, NaN check, preemption check or checkpoint).
 
-    deepspeed --num_gpus 2 tools/bench/bare_loop.py <train.py flags> --timing_out t.json [--window 5] \
+    deepspeed --num_gpus 2 --module zero_recipes.bench.bare_loop <train.py flags> --timing_out t.json [--window 5] \
         [--profile_out ops.txt]      # rank 0's op table over the steps after the first window (torch.profiler)
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
-from tools.bench.workload import WindowClock, setup  # noqa: E402
+from zero_recipes.bench.workload import WindowClock, pop_flag, setup
 
 
 def main(argv: list[str]) -> int:
@@ -20,8 +18,6 @@ def main(argv: list[str]) -> int:
 
     from zero_recipes import distributed, model as modeling
     from zero_recipes.engine import make_engine
-
-    from tools.bench.workload import pop_flag
 
     argv, profile_out = pop_flag(argv, "--profile_out")
     w = setup(argv)

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(REPO))
-from zero_recipes.distributed import free_port  # noqa: E402,F401 -- one port policy for train.py, tests, benchmarks
+from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+
+REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
 
 
 def quiet(*_a, **_k):

@@ -1,6 +1,6 @@
 """The estimator benchmark: tools/estimate_memory.py's prediction against real DeepSpeed runs on the CPU.
 
-Each point launches tools/bench/memory_probe.py through the real launcher (1, 2 or 4 CPU ranks), which
+Each point launches zero_recipes/bench/memory_probe.py through the real launcher (1, 2 or 4 CPU ranks), which
 records every allocation of the CPU allocator during init, forward/backward and the optimizer step. On
 the CPU accelerator device and host are one pool, so the comparison is measured peak vs the estimate's
 device + host bytes of one rank, at the phase where the measurement peaked, for the most loaded rank.
@@ -44,9 +44,9 @@ def probe(point, tmp: Path) -> dict:
     model, config, precision, ranks, micro, seq, gc = point
     files = CONFIGS[config] + (["ds_configs/bf16.json"] if precision == "bf16" else [])
     out = tmp / f"probe-{abs(hash(point))}.json"
-    launcher = [sys.executable] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
-                                                     str(free_port())]
-    cmd = launcher + ["tools/bench/memory_probe.py", "--deepspeed", *files, "--model_config",
+    launcher = [sys.executable, "-m"] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
+                                                           str(free_port()), "--module"]
+    cmd = launcher + ["zero_recipes.bench.memory_probe", "--deepspeed", *files, "--model_config",
                       json.dumps(MODELS[model]), "--per_device_train_batch_size", str(micro), "--block_size", str(seq),
                       "--probe_out", str(out)] + (["--gradient_checkpointing", "true"] if gc else [])
     run_checked(cmd, None, 900, f"memory probe {point}")
@@ -54,7 +54,6 @@ def probe(point, tmp: Path) -> dict:
 
 
 def predict(point, measured: dict) -> dict:
-    sys.path.insert(0, str(REPO))
     from transformers import AutoConfig
 
     from zero_recipes.memory import Launch, estimate, rank_total
@@ -74,7 +73,7 @@ def markdown(r: dict) -> str:
     mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
     lines = [f"# Memory estimate vs measured, {r['date']}", "", f"Command: `{r['command']}`", "",
              "Measured: peak live bytes of the CPU allocator on the most loaded rank (torch profiler, "
-             "`tools/bench/memory_probe.py`), real DeepSpeed on the CPU accelerator. Predicted: "
+             "`zero_recipes/bench/memory_probe.py`), real DeepSpeed on the CPU accelerator. Predicted: "
              "`zero_recipes.memory.estimate` for that phase, device + host of one rank (one pool on a CPU). "
              f"Target: within +{TARGET['over']:.0%} / -{TARGET['under']:.0%}.", "",
              "| model | config | precision | ranks | micro x seq | GC | peak phase | measured MB | predicted MB | "

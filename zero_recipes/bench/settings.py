@@ -52,10 +52,10 @@ def run_variant(base: str, fragment: dict, size: dict, out: Path) -> dict:
 
 
 def stop_check_seconds(calls: int) -> float:
-    """Median seconds of one StopRequest.agreed() across 2 ranks (tools/bench/stop_probe.py)."""
+    """Median seconds of one StopRequest.agreed() across 2 ranks (zero_recipes/bench/stop_probe.py)."""
     out = Path(tempfile.mkdtemp(prefix="zr-bench-stop-")) / "stop.json"
-    run_checked(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tools/bench/stop_probe.py",
-                 str(out), str(calls)], None, 600, "stop_probe")
+    run_checked(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                 "zero_recipes.bench.stop_probe", str(out), str(calls)], None, 600, "stop_probe")
     return json.loads(out.read_text())["median_seconds"]
 
 

@@ -5,7 +5,7 @@ HF Trainer, bare loop, train.py --torch_compile, repeated (A/B/C/D/A/B/C/D), so 
 hits all alike. All three
 take train.py's flags, build the same model (same config, same seeded init), the same rows in the same
 per-rank order, the same torch AdamW and schedule and the same resolved DeepSpeed config; the baselines
-start from tools/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
+start from zero_recipes/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
 boundary; the first window (warm-up: allocation, first-touch, JIT) is left out.
 """
 
@@ -25,8 +25,8 @@ SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, mic
     "100M": (HUNDRED_M, 256, 2, 9, 3),
 }
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
-RUNNERS = {"train.py": "train.py", "HF Trainer": "tools/bench/hf_trainer_run.py",
-           "bare DeepSpeed loop": "tools/bench/bare_loop.py", "train.py --torch_compile": "train.py"}
+RUNNERS = {"train.py": ["train.py"], "HF Trainer": ["--module", "zero_recipes.bench.hf_trainer_run"],  # after the launcher's flags
+           "bare DeepSpeed loop": ["--module", "zero_recipes.bench.bare_loop"], "train.py --torch_compile": ["train.py"]}
 EXTRA = {"train.py --torch_compile": ["--torch_compile", "true"]}  # compile time falls in the warm-up window
 GOALS = {"tiny": 1.2, "100M": 1.0, "floor": 0.97}
 
@@ -41,9 +41,9 @@ def flags(size) -> list[str]:
 def run_one(runner: str, size, tmp: Path, tag: str) -> list[float]:
     """Window seconds of one run, warm-up window included."""
     window = size[4]
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), RUNNERS[runner]]
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS[runner]]
     out = tmp / f"{tag}-{runner.replace(' ', '_')}"
-    if RUNNERS[runner] == "train.py":
+    if RUNNERS[runner] == ["train.py"]:
         cmd = launch + flags(size) + EXTRA.get(runner, []) + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0",
                                       "--output_dir", str(out)]
         run_checked(cmd, None, 3600, f"{runner}: {' '.join(cmd)}")
@@ -131,7 +131,7 @@ def cmd_mfu(args) -> int:
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "mfu" in x]
     plan = next(line for line in log.splitlines() if line.startswith("plan:"))
     ops = tmp / "ops.txt"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), RUNNERS["bare DeepSpeed loop"]] + \
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS["bare DeepSpeed loop"]] + \
         flags(size) + ["--timing_out", str(tmp / "t.json"), "--window", str(window), "--profile_out", str(ops)]
     run_checked(cmd, None, 3600, "bare loop with the profiler")
     mfus = [r["mfu"] for r in records[1:]]

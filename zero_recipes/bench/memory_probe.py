@@ -1,6 +1,6 @@
 """Measure what a training step really holds in memory, per rank, on the CPU accelerator.
 
-    deepspeed --num_gpus 2 tools/bench/memory_probe.py --deepspeed ds_configs/zero2.json \
+    deepspeed --num_gpus 2 --module zero_recipes.bench.memory_probe --deepspeed ds_configs/zero2.json \
         --model_config '{"hidden_size": 256, ...}' --per_device_train_batch_size 2 --block_size 256 \
         --probe_out /tmp/probe.json
 
@@ -10,7 +10,7 @@ torch.profiler with profile_memory. Every allocation and free of the CPU allocat
 live bytes at each moment are their running sum: exact for torch tensors (DeepSpeed's flat buffers, its
 C++ Adam's states and gloo's staging tensors included), blind to non-torch memory (the Python heap,
 libraries). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
-host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
+host; zero_recipes/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
 
 Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step.
 """
@@ -24,11 +24,9 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
-from zero_recipes import distributed, ds_config, model as modeling  # noqa: E402
-from zero_recipes.config import parse_args  # noqa: E402
-from zero_recipes.engine import make_engine  # noqa: E402
+from zero_recipes import distributed, ds_config, model as modeling
+from zero_recipes.config import parse_args
+from zero_recipes.engine import make_engine
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state

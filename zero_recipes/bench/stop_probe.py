@@ -1,6 +1,6 @@
 """Time train.py's per-step preemption check on its own: StopRequest.agreed() in a real 2-rank world.
 
-    deepspeed --num_gpus 2 tools/bench/stop_probe.py OUT.json CALLS
+    deepspeed --num_gpus 2 --module zero_recipes.bench.stop_probe OUT.json CALLS
 """
 
 import json
@@ -9,9 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
-from zero_recipes import distributed  # noqa: E402
+from zero_recipes import distributed
 
 
 def main() -> None:

@@ -44,7 +44,6 @@ def run(name: str, files: list[str], tmp: Path) -> dict:
 
 
 def predicted(files: list[str]) -> int:
-    sys.path.insert(0, str(REPO))
     from transformers import AutoConfig
 
     from zero_recipes import ds_config

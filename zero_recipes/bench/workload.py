@@ -9,7 +9,6 @@ the step boundary, written as JSON to --timing_out.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,8 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
-from zero_recipes import data, distributed, ds_config, model as modeling  # noqa: E402
-from zero_recipes.config import parse_args  # noqa: E402
+from zero_recipes import data, distributed, ds_config, model as modeling
+from zero_recipes.config import parse_args
 
 
 @dataclass
