@@ -10,8 +10,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from zero_recipes import shipped
 from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+
+REPO = Path(__file__).resolve().parent.parent
 
 # Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
 FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size", "4",
@@ -72,16 +74,10 @@ def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "d
     return Run(proc, Path(output_dir), port if launcher != "python" else "")
 
 
-CONFIGS = {
-    "zero0": ["ds_configs/zero0.json"],
-    "zero1": ["ds_configs/zero1.json"],
-    "zero2": ["ds_configs/zero2.json"],
-    "zero3": ["ds_configs/zero3.json"],
-    "zero2+offload_optimizer": ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"],
-    "zero3+offload_all": ["ds_configs/zero3.json", "ds_configs/offload_all.json"],
-    "zero3+nvme": ["ds_configs/zero3.json", "ds_configs/nvme.json"],
-}
-PRECISIONS = {"fp32": [], "bf16": ["ds_configs/bf16.json"]}
+# the shipped combinations the training tests run (all but zero3+offload_optimizer), and both precisions
+CONFIGS = shipped.select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all",
+                         "zero3+nvme")
+PRECISIONS = shipped.PRECISIONS
 
 # max |logits(reloaded HF model) - logits(engine)|: fp32 is exact up to kernel order; bf16 exports the
 # bf16 weights the engine computes with.

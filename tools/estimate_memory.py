@@ -20,14 +20,12 @@ import json
 import sys
 from pathlib import Path
 
+from zero_recipes import shipped
 from zero_recipes.config import ConfigError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-TABLE_CONFIGS = [("zero1", ["ds_configs/zero1.json"]), ("zero2", ["ds_configs/zero2.json"]),
-                 ("zero3", ["ds_configs/zero3.json"]),
-                 ("zero2+offload_optimizer", ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"]),
-                 ("zero3+offload_optimizer", ["ds_configs/zero3.json", "ds_configs/offload_optimizer.json"]),
-                 ("zero3+offload_all", ["ds_configs/zero3.json", "ds_configs/offload_all.json"])]
+TABLE_CONFIGS = shipped.select("zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_optimizer",
+                               "zero3+offload_all")  # the table's columns, in order
 # What the table recommends: the first that fits. Lower stages communicate less; recomputation (gradient
 # checkpointing, ~1/3 more compute) costs less than moving the optimizer step to the CPU, and offloading
 # parameters too costs most.
@@ -143,7 +141,7 @@ def table(args, gpu_memory) -> dict:
 
     from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
 
-    cfg, config, ds, notes = load(args, args.deepspeed or TABLE_CONFIGS[0][1], 1)
+    cfg, config, ds, notes = load(args, args.deepspeed or TABLE_CONFIGS["zero1"], 1)
     shape = ModelShape.of(config)
     import torch
 
@@ -156,8 +154,8 @@ def table(args, gpu_memory) -> dict:
         world = n * args.num_nodes
         fitting = {}
         for gc in (False, True):
-            for name, files in TABLE_CONFIGS:
-                _, _, ds_n, _ = load(args, files + extra, world)
+            for name, files in TABLE_CONFIGS.items():
+                _, _, ds_n, _ = load(args, [*files, *extra], world)
                 act = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * cfg.per_device_train_batch_size)
                 e = estimate(config, ds_n, Launch(n, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size,
                                                   gc), shape, act, gpu_memory)
@@ -186,7 +184,7 @@ def table(args, gpu_memory) -> dict:
 def print_table(t: dict) -> None:
     print(f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
           f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])})")
-    names = [n for n, _ in TABLE_CONFIGS]
+    names = list(TABLE_CONFIGS)
     print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{n:>24s}" for n in names))
     for n in GPU_COUNTS:
         for gc in (False, True):

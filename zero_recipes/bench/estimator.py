@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from zero_recipes.shipped import PRECISIONS, select
+
 from .common import REPO, footer, free_port, new_report, run_checked, write_report
 
 MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
@@ -22,12 +24,7 @@ MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M 
     "A": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 688, "vocab_size": 8000},
 }
-CONFIGS = {
-    "zero0": ["ds_configs/zero0.json"], "zero1": ["ds_configs/zero1.json"], "zero2": ["ds_configs/zero2.json"],
-    "zero3": ["ds_configs/zero3.json"],
-    "zero2+offload_optimizer": ["ds_configs/zero2.json", "ds_configs/offload_optimizer.json"],
-    "zero3+offload_all": ["ds_configs/zero3.json", "ds_configs/offload_all.json"],
-}
+CONFIGS = select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all")
 # (model, config, precision, ranks, micro-batch, seq len, gradient checkpointing)
 POINTS = [("B", c, prec, n, 1, 16, False) for c in ("zero0", "zero1", "zero2", "zero3")
           for prec, n in (("fp32", 1), ("bf16", 2))]
@@ -42,7 +39,7 @@ TARGET = {"over": 0.10, "under": 0.05}
 
 def probe(point, tmp: Path) -> dict:
     model, config, precision, ranks, micro, seq, gc = point
-    files = CONFIGS[config] + (["ds_configs/bf16.json"] if precision == "bf16" else [])
+    files = [*CONFIGS[config], *PRECISIONS[precision]]
     out = tmp / f"probe-{abs(hash(point))}.json"
     launcher = [sys.executable, "-m"] if ranks == 1 else ["deepspeed", "--num_gpus", str(ranks), "--master_port",
                                                            str(free_port()), "--module"]

@@ -17,20 +17,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from zero_recipes.shipped import PRECISIONS, select
+
 from .common import REPO, footer, free_port, new_report, run_checked, write_report
 
 LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True,
             "max_position_embeddings": 4096, "rope_theta": 500000.0}
-CONFIGS = {"zero1": ["ds_configs/zero1.json"], "zero2": ["ds_configs/zero2.json"], "zero3": ["ds_configs/zero3.json"],
-           "zero3+offload_optimizer": ["ds_configs/zero3.json", "ds_configs/offload_optimizer.json"]}
+CONFIGS = select("zero1", "zero2", "zero3", "zero3+offload_optimizer")
+BF16 = PRECISIONS["bf16"]
 SEQ, MICRO, STEPS, WINDOW = 2048, 4, 30, 5
 
 
-def run(name: str, files: list[str], tmp: Path) -> dict:
+def run(name: str, files: tuple[str, ...], tmp: Path) -> dict:
     out = tmp / name
     cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "train.py", "--deepspeed", *files,
-           "ds_configs/bf16.json", "--model_config", json.dumps(LLAMA_1B), "--block_size", str(SEQ),
+           *BF16, "--model_config", json.dumps(LLAMA_1B), "--block_size", str(SEQ),
            "--per_device_train_batch_size", str(MICRO), "--max_steps", str(STEPS), "--logging_steps", str(WINDOW),
            "--eval_steps", "0", "--save_steps", "0", "--learning_rate", "3e-4", "--warmup_steps", "2",
            "--output_dir", str(out)]
@@ -43,7 +45,7 @@ def run(name: str, files: list[str], tmp: Path) -> dict:
             "final_loss": steady[-1]["loss"] if steady else None}
 
 
-def predicted(files: list[str]) -> int:
+def predicted(files: tuple[str, ...]) -> int:
     from transformers import AutoConfig
 
     from zero_recipes import ds_config
@@ -52,7 +54,7 @@ def predicted(files: list[str]) -> int:
 
     fields = dict(LLAMA_1B)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    cfg, explicit = parse_args(["--deepspeed", *files, "ds_configs/bf16.json", "--block_size", str(SEQ),
+    cfg, explicit = parse_args(["--deepspeed", *files, *BF16, "--block_size", str(SEQ),
                                 "--per_device_train_batch_size", str(MICRO)])
     ds, _ = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, 1, config.hidden_size, STEPS)
     return estimate(config, ds, Launch(1, 1, MICRO, SEQ)).per_gpu["peak_bytes"]

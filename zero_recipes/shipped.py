@@ -1,0 +1,26 @@
+"""The shipped DeepSpeed config combinations, named once: the fragments of ds_configs/ to pass to --deepspeed
+for each ZeRO stage and offload, and for each precision. The tests, tools/estimate_memory.py's --table and the
+benchmarks each take the names they need from here, so a file added or renamed in ds_configs/ is changed here
+alone. Paths are relative to the repository root, as train.py takes them."""
+
+from __future__ import annotations
+
+COMBINATIONS: dict[str, tuple[str, ...]] = {
+    "zero0": ("ds_configs/zero0.json",),
+    "zero1": ("ds_configs/zero1.json",),
+    "zero2": ("ds_configs/zero2.json",),
+    "zero3": ("ds_configs/zero3.json",),
+    "zero2+offload_optimizer": ("ds_configs/zero2.json", "ds_configs/offload_optimizer.json"),
+    "zero3+offload_optimizer": ("ds_configs/zero3.json", "ds_configs/offload_optimizer.json"),
+    "zero3+offload_all": ("ds_configs/zero3.json", "ds_configs/offload_all.json"),
+    "zero3+nvme": ("ds_configs/zero3.json", "ds_configs/nvme.json"),
+}
+"""ZeRO stage and offload: the fragments, in the order they merge."""
+
+PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("ds_configs/bf16.json",)}
+"""Fragments added for a precision (fp32 is the default: none)."""
+
+
+def select(*names: str) -> dict[str, tuple[str, ...]]:
+    """The named combinations, in the order asked for."""
+    return {name: COMBINATIONS[name] for name in names}
