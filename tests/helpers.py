@@ -88,3 +88,12 @@ def aio_available() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False)
+
+
+def fault_env(**faults) -> dict:
+    """The environment that makes tests/faults/sitecustomize.py inject faults into train.py's processes:
+    fault_env(kill="in_save:10:1") or fault_env(nan_at_step=7); see that file."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH")]))}
+    for name, value in faults.items():
+        env[f"ZERO_RECIPES_TEST_{name.upper()}"] = str(value)
+    return env

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -89,6 +90,19 @@ def write_run_config(output_dir: Path, signature: dict, ds_config: dict) -> None
     (output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
 
+def start_run(plan, rank: int) -> None:
+    """Collective. Only now, with the data and config known good, is output_dir touched: bad input
+    leaves it as it was. Every rank has read output_dir before rank 0 writes to it."""
+    import torch
+
+    torch.distributed.barrier()
+    if rank == 0:
+        if plan.cfg.overwrite_output_dir and plan.cfg.resume_from_checkpoint is None:
+            clear_previous_run(plan.output_dir)
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(plan.output_dir, plan.signature, plan.ds)
+
+
 def find_checkpoint(p: Path) -> Optional[tuple[Path, str]]:
     """(directory holding the tag dirs, tag) for an output_dir, its checkpoints/ dir or a step-N dir; None
     when there is none. A `latest` that names a missing tag is an error, not a silent fallback."""
@@ -163,14 +177,12 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
         (d / tag / LAYOUT).write_text(json.dumps({"world": engine.dp_world_size, "step": step,
                                                   "zero_stage": int(engine.zero_optimization_stage())}))
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
-    _test_fault_point("in_save", step, rank)
     torch.distributed.barrier()
     if rank == 0:
         tmp = d / f"latest.tmp{os.getpid()}"
         tmp.write_text(tag)
         os.replace(tmp, d / "latest")
     torch.distributed.barrier()
-    _test_fault_point("after_save", step, rank)
     if rank == 0 and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -238,17 +250,6 @@ def data_position(saved_at: tuple[Path, str], rank_state: dict, layout_changed: 
     return {"epoch": saved["epoch"], "index": rows // (micro * world), "world": world, "micro": micro}
 
 
-def _test_fault_point(where: str, step: int, rank: int) -> None:
-    """Test hook: ZERO_RECIPES_TEST_KILL=WHERE:STEP:RANK SIGKILLs that rank at that point of that step's
-    save. `in_save`: its files are written and `latest` has not moved, the moment a kill is most
-    dangerous. `after_save`: the checkpoint is complete, as when a job dies between saves."""
-    spec = os.environ.get("ZERO_RECIPES_TEST_KILL")
-    if spec and spec == f"{where}:{step}:{rank}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
     """Returns (the client state rank 0 saved, this rank's own state)."""
     import torch
@@ -265,3 +266,70 @@ def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
         set_rng_state(own)
     return client_state or {}, own
 
+
+
+class Checkpointer:
+    """Saves this run's checkpoints into output_dir/checkpoints, keeping the newest `keep`; the loop calls
+    `save` at its save steps and on preemption."""
+
+    def __init__(self, output_dir: Path, rank: int, keep: int, hf_writer=None):
+        self.output_dir, self.rank, self.keep, self.hf_writer = output_dir, rank, keep, hf_writer
+
+    def save(self, engine, step: int, rank_state: dict) -> Path:
+        """Collective."""
+        return save(engine, self.output_dir, step, {"step": step}, self.rank, self.keep, rank_state=rank_state,
+                    hf_writer=self.hf_writer)
+
+    def latest_tag(self) -> Optional[str]:
+        return latest_tag(self.output_dir)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where a resumed run loads from. On another world size or ZeRO stage it loads DeepSpeed's universal
+    conversion of the checkpoint, while its data position still comes from the checkpoint as saved."""
+
+    saved_at: tuple[Path, str]
+    """The checkpoint as saved: (directory holding the tags, tag)."""
+    load_from: tuple[Path, str]
+    """What the engine loads: `saved_at`, or its universal conversion."""
+    saved_layout: Optional[dict] = None
+    """The saved world size and stage when they differ from this run's, else None."""
+
+    def engine_config(self, ds: dict) -> dict:
+        """The DeepSpeed dict to build the engine with: a universal checkpoint needs `load_universal`."""
+        if self.saved_layout is None:
+            return ds
+        return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
+
+
+def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[ResumePlan]:
+    """The checkpoint this launch resumes from, converted for a new layout when needed; None to start
+    from scratch. `request` is what check_output_dir decided ('auto', a path or None). Collective when a
+    conversion runs (rank 0 converts, the others wait)."""
+    where = resolve_resume(plan.output_dir, request)
+    if where is None:
+        if request is not None:
+            log(f"resume: no checkpoint in {plan.output_dir}, starting from scratch")
+        return None
+    saved = layout_change(where, plan.world, plan.zero_stage)
+    if saved is None:
+        return ResumePlan(where, where)
+    if plan.cfg.streaming:
+        raise ConfigError(f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+                          "position cannot move to another world size. Resume with the same number of ranks")
+    log(f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
+        f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint")
+    return ResumePlan(where, to_universal(where, rank), saved)
+
+
+def restore(engine, resume: ResumePlan, order, plan, rank: int, log) -> int:
+    """Load the engine's states, this rank's RNG and the data order's position. Returns the step."""
+    state, rank_state = load(engine, resume.load_from, rank)
+    step = int(state.get("step", engine.global_steps))
+    position = data_position(resume.saved_at, rank_state, resume.saved_layout is not None,
+                             plan.cfg.per_device_train_batch_size, plan.world)
+    if position is not None:
+        order.load_state_dict(position)
+    log(f"resume: loaded {resume.load_from[0] / resume.load_from[1]} at step {step}")
+    return step

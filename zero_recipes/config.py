@@ -392,15 +392,6 @@ def parse_model_config(value: Any) -> Optional[dict]:
     return data
 
 
-def run_signature(cfg: TrainConfig, ds_config: dict) -> dict:
-    """What makes two launches the same run: every field but the per-launch controls, plus DeepSpeed."""
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CONTROL_FIELDS}
-    d["model_config"] = parse_model_config(cfg.model_config)
-    d["dataset_mixture"] = parse_inline_or_file("dataset_mixture", cfg.dataset_mixture)
-    d["deepspeed"] = ds_config
-    return json.loads(json.dumps(d, sort_keys=True, default=str))
-
-
 def help_text() -> str:
     docs = field_docs()
     lines = ["usage: deepspeed train.py --deepspeed ds_configs/zero3.json [--recipe recipes/X.yaml] [--key value ...]",

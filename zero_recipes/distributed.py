@@ -95,6 +95,29 @@ def init(timeout_minutes: int = 30) -> None:
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
 
 
+def rank0_first(rank: int, fn):
+    """Collective: run fn on rank 0 first (it fills the caches), then on the others, which read them. A
+    ConfigError on rank 0 is raised on every rank, so no rank waits forever at the barrier."""
+    import torch
+
+    from .config import ConfigError  # config imports this module
+
+    error = [None]
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error[0] = str(e)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
+    if rank != 0:
+        result = fn()
+    torch.distributed.barrier()
+    return result
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed logs every bucket and timer at INFO; keep its warnings, drop the chatter
     (ZERO_RECIPES_DEBUG=1 brings it back)."""

@@ -9,8 +9,10 @@ naming both values, and an "auto" nobody knows how to fill is an error instead o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
@@ -46,6 +48,11 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def precision(ds: dict) -> str:
+    """'bf16', 'fp16' or 'fp32' for a resolved config (both blocks' "enabled" filled)."""
+    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+
 def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
     """(optimizer offload device, param offload device), each None, 'cpu' or 'nvme'."""
     z = ds.get("zero_optimization", {})
@@ -57,13 +64,37 @@ def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
     return dev("offload_optimizer"), dev("offload_param")
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A DeepSpeed config with every "auto" but the scheduler's step counts filled (see `with_steps`)."""
+
+    ds: dict
+    cfg: TrainConfig
+    """The run's config with the values the DeepSpeed file sets explicitly adopted, where the recipe and
+    flags left those fields at their defaults (the notes say which)."""
+    notes: tuple[str, ...]
+
+
 class Resolver:
-    """Fills "auto"s and collects contradictions, so the user sees every conflict at once."""
+    """Fills "auto"s and collects contradictions, so the user sees every conflict at once. Adoptions go
+    into `adopted`, never into the caller's config."""
 
     def __init__(self, cfg: TrainConfig, explicit: set[str]):
-        self.cfg, self.explicit = cfg, explicit
+        self.explicit = explicit
+        self.values = dataclasses.asdict(cfg)
         self.conflicts: list[str] = []
-        self.adopted: list[str] = []
+        self.adopted: dict[str, Any] = {}
+        self.notes: list[str] = []
+
+    def __getattr__(self, field: str) -> Any:  # the config as adopted so far: r.learning_rate
+        try:
+            return self.__dict__["values"][field]
+        except KeyError:
+            raise AttributeError(field) from None
+
+    def adopt(self, field: str, value: Any, where: str) -> None:
+        self.values[field] = self.adopted[field] = value
+        self.notes.append(f"adopted {field}={value!r} (from the DeepSpeed config's {where})")
 
     def match(self, node: dict, key: str, value: Any, field: Optional[str], where: str) -> None:
         """node[key] = value if auto/absent; if explicit and different: adopt it into the recipe when the
@@ -75,8 +106,7 @@ class Resolver:
         if field is None or _same(given, value):
             return
         if field not in self.explicit:
-            setattr(self.cfg, field, given)
-            self.adopted.append(f"{field}={given!r} (from the DeepSpeed config's {where})")
+            self.adopt(field, given, where)
             return
         self.conflicts.append(f"{where}={given!r} but {field}={value!r}")
 
@@ -89,36 +119,73 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hidden_size: Optional[int],
-            total_steps: Optional[int]) -> tuple[dict, list[str]]:
-    """Return (resolved config, notes). `total_steps` None leaves the scheduler's step count as "auto"
-    (only a dry run does that: the dataset size is not known yet). May update `cfg` for fields the user
-    left at their defaults and the DeepSpeed config sets explicitly; the notes say which."""
+def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int,
+            hidden_size: Optional[int]) -> Resolved:
+    """Fill every "auto" the HF Trainer fills, except the scheduler's step counts, which wait for the
+    dataset size (`with_steps`). Pure: `cfg` is not changed; the adopted config comes back in the result."""
     ds = copy.deepcopy(raw)
     r = Resolver(cfg, explicit)
-    notes: list[str] = []
+    _resolve_precision(ds, r)
+    _resolve_batch(ds, r, world_size)
+    r.match(ds, "gradient_clipping", r.max_grad_norm, "max_grad_norm", "gradient_clipping")
+    _resolve_optimizer(ds, r)
+    sched = ds.get("scheduler")
+    if isinstance(sched, dict):
+        p = sched.setdefault("params", {})
+        r.match(p, "warmup_min_lr", 0, None, "scheduler.params.warmup_min_lr")
+        r.match(p, "warmup_max_lr", r.learning_rate, "learning_rate", "scheduler.params.warmup_max_lr")
+    if isinstance(ds.get("zero_optimization"), dict):
+        _resolve_zero(ds, ds["zero_optimization"], r, hidden_size)
+    if r.conflicts:
+        raise ConfigError("the DeepSpeed config contradicts the recipe: " + "; ".join(r.conflicts)
+                          + " (set those keys to \"auto\" or change the recipe)")
+    return Resolved(ds, dataclasses.replace(cfg, **r.adopted), tuple(r.notes))
 
-    # Precision: a fragment saying enabled=true (bf16.json) turns it on unless the recipe says otherwise.
+
+def with_steps(ds: dict, cfg: TrainConfig, total_steps: int) -> dict:
+    """A resolved config completed with the run's step count: the scheduler's warmup and total steps.
+    Any "auto" still left is one nobody knows how to fill, and an error rather than something dropped."""
+    ds = copy.deepcopy(ds)
+    sched = ds.get("scheduler")
+    if isinstance(sched, dict):
+        p = sched.setdefault("params", {})
+        for key in ("warmup_num_steps", "total_num_steps"):
+            if key == "total_num_steps" and sched.get("type") not in ("WarmupDecayLR", "WarmupCosineLR"):
+                continue
+            if p.get(key, AUTO) == AUTO:
+                p[key] = warmup_steps(cfg, total_steps) if key == "warmup_num_steps" else total_steps
+    left = find_auto(ds)
+    if left:
+        raise ConfigError(f"DeepSpeed config key '{left}' is \"auto\" but zero-recipes does not know how to "
+                          "fill it; give it a value")
+    return ds
+
+
+def _resolve_precision(ds: dict, r: Resolver) -> None:
+    """A fragment saying enabled=true (bf16.json) turns it on unless the recipe says otherwise."""
     for name in ("bf16", "fp16"):
         block = ds.setdefault(name, {})
         if not isinstance(block, dict):
             raise ConfigError(f"DeepSpeed config '{name}' must be an object like {{\"enabled\": \"auto\"}}")
         enabled = block.get("enabled", AUTO)
-        mine = getattr(cfg, name)
+        mine = getattr(r, name)
         if enabled == AUTO:
             block["enabled"] = bool(mine)
         elif mine is None:
-            setattr(cfg, name, bool(enabled))
+            r.values[name] = r.adopted[name] = bool(enabled)
         elif bool(enabled) != bool(mine):
             r.conflicts.append(f"{name}.enabled={enabled!r} but {name}={mine!r}")
     if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
         raise ConfigError("bf16 and fp16 are both enabled; use one precision fragment (bf16.json or fp16.json)")
 
-    # Batch arithmetic, as HF: train_batch_size = micro x accumulation x world.
-    micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    r.match(ds, "train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", "train_micro_batch_size_per_gpu")
-    r.match(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps", "gradient_accumulation_steps")
-    micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+
+def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
+    """As HF: train_batch_size = micro x accumulation x world."""
+    r.match(ds, "train_micro_batch_size_per_gpu", r.per_device_train_batch_size, "per_device_train_batch_size",
+            "train_micro_batch_size_per_gpu")
+    r.match(ds, "gradient_accumulation_steps", r.gradient_accumulation_steps, "gradient_accumulation_steps",
+            "gradient_accumulation_steps")
+    micro, gas = r.per_device_train_batch_size, r.gradient_accumulation_steps
     if isinstance(ds["train_micro_batch_size_per_gpu"], int):
         micro = ds["train_micro_batch_size_per_gpu"]
     if isinstance(ds["gradient_accumulation_steps"], int):
@@ -130,77 +197,54 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
         raise ConfigError(f"batch sizes do not add up: train_batch_size={tbs} but micro {micro} x accumulation "
                           f"{gas} x world {world_size} = {micro * gas * world_size}; set train_batch_size to \"auto\"")
 
-    r.match(ds, "gradient_clipping", cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
 
+def _resolve_optimizer(ds: dict, r: Resolver) -> None:
     opt = ds.get("optimizer")
-    if isinstance(opt, dict):
-        p = opt.setdefault("params", {})
-        r.match(p, "lr", cfg.learning_rate, "learning_rate", "optimizer.params.lr")
-        r.match(p, "weight_decay", cfg.weight_decay, "weight_decay", "optimizer.params.weight_decay")
-        r.match(p, "eps", cfg.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
-        if p.get("betas", AUTO) == AUTO:
-            p["betas"] = [cfg.adam_beta1, cfg.adam_beta2]
-        else:
-            r.match(p, "betas", [cfg.adam_beta1, cfg.adam_beta2], None, "optimizer.params.betas")
-            b = p["betas"]
-            for i, name in enumerate(("adam_beta1", "adam_beta2")):
-                r.match({"b": b[i]}, "b", getattr(cfg, name), name, f"optimizer.params.betas[{i}]")
+    if not isinstance(opt, dict):
+        return
+    p = opt.setdefault("params", {})
+    r.match(p, "lr", r.learning_rate, "learning_rate", "optimizer.params.lr")
+    r.match(p, "weight_decay", r.weight_decay, "weight_decay", "optimizer.params.weight_decay")
+    r.match(p, "eps", r.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
+    if p.get("betas", AUTO) == AUTO:
+        p["betas"] = [r.adam_beta1, r.adam_beta2]
+    else:
+        r.match(p, "betas", [r.adam_beta1, r.adam_beta2], None, "optimizer.params.betas")
+        b = p["betas"]
+        for i, name in enumerate(("adam_beta1", "adam_beta2")):
+            r.match({"b": b[i]}, "b", getattr(r, name), name, f"optimizer.params.betas[{i}]")
 
-    sched = ds.get("scheduler")
-    if isinstance(sched, dict):
-        p = sched.setdefault("params", {})
-        warmup = warmup_steps(cfg, total_steps) if total_steps is not None else AUTO
-        r.match(p, "warmup_min_lr", 0, None, "scheduler.params.warmup_min_lr")
-        r.match(p, "warmup_max_lr", cfg.learning_rate, "learning_rate", "scheduler.params.warmup_max_lr")
-        if warmup != AUTO:
-            r.match(p, "warmup_num_steps", warmup, None, "scheduler.params.warmup_num_steps")
-        if sched.get("type") in ("WarmupDecayLR", "WarmupCosineLR") and total_steps is not None:
-            r.match(p, "total_num_steps", total_steps, None, "scheduler.params.total_num_steps")
-        if total_steps is None:
-            notes.append("scheduler steps stay 'auto' until the dataset is prepared")
 
-    z = ds.get("zero_optimization")
-    if isinstance(z, dict):
-        autos = [k for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-                             "stage3_param_persistence_threshold", "param_persistence_threshold") if z.get(k) == AUTO]
-        if autos and not hidden_size:
-            raise ConfigError(f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
-                              "hidden_size; give them numeric values")
-        if hidden_size:
-            h = hidden_size
-            for key, value in (("reduce_bucket_size", h * h),
-                               ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
-                               ("prefetch_bucket_size", int(0.9 * h * h)),
-                               ("stage3_param_persistence_threshold", 10 * h),
-                               ("param_persistence_threshold", 10 * h)):
-                if z.get(key) == AUTO:
-                    z[key] = value
-        for key in ("offload_optimizer", "offload_param"):
-            block = z.get(key)
-            if isinstance(block, dict) and block.get("nvme_path") == AUTO:
-                if block.get("device") != "nvme":
-                    del block["nvme_path"]
-                elif not cfg.nvme_path:
-                    raise ConfigError("the DeepSpeed config offloads to NVMe with nvme_path \"auto\"; "
-                                      "give --nvme_path /local/nvme/dir")
-                else:
-                    block["nvme_path"] = cfg.nvme_path
-                    Path(cfg.nvme_path).mkdir(parents=True, exist_ok=True)
-        if zero_stage(ds) == 3:
-            # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
-            # `save_16bit_model` usable too, as HF configs expect.
-            z.setdefault("stage3_gather_16bit_weights_on_model_save", True)
-
-    if r.conflicts:
-        raise ConfigError("the DeepSpeed config contradicts the recipe: " + "; ".join(r.conflicts)
-                          + " (set those keys to \"auto\" or change the recipe)")
-    if total_steps is not None:
-        left = find_auto(ds)
-        if left:
-            raise ConfigError(f"DeepSpeed config key '{left}' is \"auto\" but zero-recipes does not know how to "
-                              "fill it; give it a value")
-    notes.extend(f"adopted {a}" for a in r.adopted)
-    return ds, notes
+def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) -> None:
+    autos = [k for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                         "stage3_param_persistence_threshold", "param_persistence_threshold") if z.get(k) == AUTO]
+    if autos and not hidden_size:
+        raise ConfigError(f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
+                          "hidden_size; give them numeric values")
+    if hidden_size:
+        h = hidden_size
+        for key, value in (("reduce_bucket_size", h * h),
+                           ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+                           ("prefetch_bucket_size", int(0.9 * h * h)),
+                           ("stage3_param_persistence_threshold", 10 * h),
+                           ("param_persistence_threshold", 10 * h)):
+            if z.get(key) == AUTO:
+                z[key] = value
+    for key in ("offload_optimizer", "offload_param"):
+        block = z.get(key)
+        if isinstance(block, dict) and block.get("nvme_path") == AUTO:
+            if block.get("device") != "nvme":
+                del block["nvme_path"]
+            elif not r.nvme_path:
+                raise ConfigError("the DeepSpeed config offloads to NVMe with nvme_path \"auto\"; "
+                                  "give --nvme_path /local/nvme/dir")
+            else:
+                block["nvme_path"] = r.nvme_path
+                Path(r.nvme_path).mkdir(parents=True, exist_ok=True)
+    if zero_stage(ds) == 3:
+        # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
+        # `save_16bit_model` usable too, as HF configs expect.
+        z.setdefault("stage3_gather_16bit_weights_on_model_save", True)
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:

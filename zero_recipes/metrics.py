@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -54,18 +55,6 @@ def model_flops_per_token(config, seq_len: int) -> float:
     mlp = (3 if gated else 2) * h * inter
     matmul_params = layers * (attn + mlp) + h * vocab  # + lm_head
     return 6 * matmul_params + 12 * layers * q_out * seq_len
-
-
-def num_params(model) -> int:
-    """Parameter count that also works for ZeRO-3 partitioned and meta-device models."""
-    total = 0
-    seen = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += getattr(p, "ds_numel", None) or p.numel()
-    return total
 
 
 def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: str = "cpu") -> float:
@@ -136,6 +125,55 @@ def report_targets(report_to: list[str]) -> list[str]:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"--report_to {name} needs the {name} package: pip install {name} (or --report_to none)")
     return wanted
+
+
+class LogWindow:
+    """The steps since the last metrics record: their summed loss (kept on the device: no host sync until
+    `record`), their data wait and their wall time. Eval and checkpoint saves are not training
+    throughput: time spent inside `paused()` is left out."""
+
+    def __init__(self, device, tokens_per_step_rank: int, losses_per_step: int, flops_per_token: float,
+                 peak_flops: float):
+        import torch
+
+        self.loss_sum = torch.zeros((), device=device)
+        self.tokens_per_step_rank, self.losses_per_step = tokens_per_step_rank, losses_per_step
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self._restart()
+
+    def _restart(self) -> None:
+        self.steps, self.data_wait, self.start = 0, 0.0, time.perf_counter()
+
+    def add_loss(self, loss) -> None:
+        self.loss_sum += loss.detach()
+
+    def add_step(self, data_wait: float) -> None:
+        self.steps += 1
+        self.data_wait += data_wait
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - t
+
+    def record(self) -> dict:
+        """Collective (one all-reduce and one .item(), the loop's only host sync): the window's mean loss
+        over every rank and micro-batch, and its throughput. Starts the next window."""
+        import torch.distributed as dist
+
+        dist.all_reduce(self.loss_sum)
+        world = dist.get_world_size()
+        loss = self.loss_sum.item() / (self.steps * self.losses_per_step * world)
+        elapsed = time.perf_counter() - self.start
+        tps = self.tokens_per_step_rank * self.steps / elapsed
+        out = {"loss": loss, "tokens_per_sec": tps * world, "tokens_per_sec_per_device": tps,
+               "mfu": mfu(tps, self.flops_per_token, self.peak_flops), "data_wait_frac": self.data_wait / elapsed}
+        self.loss_sum.zero_()
+        self._restart()
+        return out
 
 
 class MetricsLog:

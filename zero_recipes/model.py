@@ -80,14 +80,25 @@ def causal_lm_class(config):
         raise ConfigError(f"model type '{config.model_type}' has no causal-LM head in transformers") from None
 
 
-def count_params_meta(config) -> int:
-    """Parameter count without allocating: build on the meta device."""
+def meta_model(config):
+    """The model built on the meta device from its config alone: shapes, no weights, no memory."""
     import torch
 
     cls = causal_lm_class(config)
     with torch.device("meta"):
-        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        return cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+
+
+def num_params(model) -> int:
+    """The one parameter count: a tied lm_head counts once, a ZeRO-3 partitioned parameter by its full
+    size (ds_numel), a meta-device one by its shape."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in unique)
+
+
+def count_params_meta(config) -> int:
+    """Parameter count without allocating."""
+    return num_params(meta_model(config))
 
 
 def build_model(cfg: TrainConfig, config, dtype, rank: int):

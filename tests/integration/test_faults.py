@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from helpers import FAST, REPO, free_port, launch, remove_shm
+from helpers import FAST, REPO, fault_env, free_port, launch, remove_shm
 
 ARGS = [a for a in FAST] + ["--deepspeed", "ds_configs/zero2.json"]
 ARGS[ARGS.index("--max_steps") + 1] = "60"
@@ -97,7 +97,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
 
 def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     out = tmp_path / "run"
-    killed = launch(ARGS, out, env={"ZERO_RECIPES_TEST_KILL": "in_save:10:1"})
+    killed = launch(ARGS, out, env=fault_env(kill="in_save:10:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0
     assert (out / "checkpoints" / "step-10").is_dir()  # rank 0 finished its files; rank 1 died in the save
@@ -109,7 +109,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
 
 def test_a_nan_loss_stops_with_the_step_and_saves_no_nan_checkpoint(tmp_path):
     out = tmp_path / "run"
-    run = launch(ARGS + ["--logging_steps", "10"], out, env={"ZERO_RECIPES_TEST_NAN_AT_STEP": "7"})
+    run = launch(ARGS + ["--logging_steps", "10"], out, env=fault_env(nan_at_step=7))
     assert run.proc.returncode == 1
     errors = [line for line in run.log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite (NaN or inf) at step 7" in errors[0], run.log[-3000:]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import CONFIGS, FAST, launch, remove_shm
+from helpers import CONFIGS, FAST, fault_env, launch, remove_shm
 
 ZERO2 = ["--deepspeed", "ds_configs/zero2.json"]
 
@@ -50,7 +50,7 @@ def test_a_killed_run_resumes_bit_for_bit(name, trained, tmp_path):
     (no replayed batches) and the optimizer (torch AdamW, which resumes bitwise) all restored."""
     full = trained(name, "fp32").check()
     args = FAST + ["--deepspeed", *CONFIGS[name], "--save_steps", "4"]
-    killed = launch(args, tmp_path / "run", env={"ZERO_RECIPES_TEST_KILL": "after_save:4:1"})
+    killed = launch(args, tmp_path / "run", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0 and (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-4"
     resumed = launch(args, tmp_path / "run").check()

@@ -5,11 +5,17 @@ import json
 import pytest
 
 from zero_recipes.config import ConfigError, parse_args
-from zero_recipes.ds_config import deep_merge, load_fragments, resolve
+from zero_recipes.ds_config import deep_merge, load_fragments, resolve, with_steps
 
 
 def cfg_for(*argv):
     return parse_args(list(argv) + ["--deepspeed", "ds_configs/zero3.json"])
+
+
+def resolve_all(raw, cfg, explicit, world_size, hidden_size, total_steps):
+    """What a launch does: resolve, then fill the step counts. Returns (ds, notes, adopted config)."""
+    r = resolve(raw, cfg, explicit, world_size, hidden_size)
+    return with_steps(r.ds, r.cfg, total_steps), r.notes, r.cfg
 
 
 def test_fragments_merge_left_to_right():
@@ -29,7 +35,7 @@ def test_autos_resolved_like_hf_trainer():
     raw["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
     raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}}
-    ds, _ = resolve(raw, cfg, explicit, world_size=4, hidden_size=100, total_steps=200)
+    ds, _, _ = resolve_all(raw, cfg, explicit, world_size=4, hidden_size=100, total_steps=200)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 5
     assert ds["train_batch_size"] == 3 * 5 * 4
     assert ds["gradient_clipping"] == 0.5
@@ -48,7 +54,7 @@ def test_explicit_contradiction_names_both_values():
     cfg, explicit = cfg_for("--per_device_train_batch_size", "8", "--learning_rate", "1e-3")
     raw = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 5e-5}}}
     with pytest.raises(ConfigError) as e:
-        resolve(raw, cfg, explicit, 2, 64, 10)
+        resolve_all(raw, cfg, explicit, 2, 64, 10)
     msg = str(e.value)
     assert "train_micro_batch_size_per_gpu=4 but per_device_train_batch_size=8" in msg
     assert "optimizer.params.lr=5e-05 but learning_rate=0.001" in msg
@@ -56,39 +62,41 @@ def test_explicit_contradiction_names_both_values():
 
 def test_explicit_value_fills_a_field_the_recipe_left_unset():
     cfg, explicit = cfg_for()
-    ds, notes = resolve({"train_micro_batch_size_per_gpu": 2}, cfg, explicit, 2, 64, 10)
-    assert cfg.per_device_train_batch_size == 2 and ds["train_batch_size"] == 2 * 1 * 2
+    ds, notes, adopted = resolve_all({"train_micro_batch_size_per_gpu": 2}, cfg, explicit, 2, 64, 10)
+    assert adopted.per_device_train_batch_size == 2 and ds["train_batch_size"] == 2 * 1 * 2
+    assert cfg.per_device_train_batch_size == 16  # the caller's config is not changed behind its back
     assert any("per_device_train_batch_size=2" in n for n in notes)
 
 
 def test_batch_arithmetic_that_does_not_add_up():
     cfg, explicit = cfg_for("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
     with pytest.raises(ConfigError, match=r"train_batch_size=32 but micro 4 x accumulation 2 x world 2 = 16"):
-        resolve({"train_batch_size": 32}, cfg, explicit, 2, 64, 10)
+        resolve_all({"train_batch_size": 32}, cfg, explicit, 2, 64, 10)
 
 
 def test_precision_from_fragment_and_conflict():
     cfg, explicit = cfg_for()
-    ds, _ = resolve(load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1, 64, 10)
-    assert ds["fp16"]["enabled"] is True and cfg.fp16 is True
+    ds, _, adopted = resolve_all(load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1,
+                                 64, 10)
+    assert ds["fp16"]["enabled"] is True and adopted.fp16 is True and cfg.fp16 is None
     cfg, explicit = cfg_for("--bf16")
     with pytest.raises(ConfigError, match="fp16.enabled=True but fp16=False|bf16.enabled=False but bf16=True"):
-        resolve(load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1, 64, 10)
+        resolve_all(load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1, 64, 10)
 
 
 def test_unknown_auto_is_an_error_not_dropped():
     cfg, explicit = cfg_for()
     with pytest.raises(ConfigError, match="'zero_optimization.sub_group_size' is \"auto\""):
-        resolve({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, cfg, explicit, 1, 64, 10)
+        resolve_all({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, cfg, explicit, 1, 64, 10)
 
 
 def test_nvme_path_from_flag(tmp_path):
     cfg, explicit = cfg_for("--nvme_path", str(tmp_path / "nvme"))
-    ds, _ = resolve(load_fragments(["ds_configs/zero3.json", "ds_configs/nvme.json"]), cfg, explicit, 1, 64, 10)
+    ds, _, _ = resolve_all(load_fragments(["ds_configs/zero3.json", "ds_configs/nvme.json"]), cfg, explicit, 1, 64, 10)
     assert ds["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path / "nvme")
     cfg, explicit = cfg_for()
     with pytest.raises(ConfigError, match="--nvme_path"):
-        resolve(load_fragments(["ds_configs/zero3.json", "ds_configs/nvme.json"]), cfg, explicit, 1, 64, 10)
+        resolve_all(load_fragments(["ds_configs/zero3.json", "ds_configs/nvme.json"]), cfg, explicit, 1, 64, 10)
 
 
 def test_malformed_json_reports_line_and_column(tmp_path):

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ..config import ConfigError
+from ..ds_config import precision as ds_precision
 from .activations import Activations, activation_bytes
 from .states import PHASES, Setup, phases
 
@@ -41,13 +42,10 @@ class ModelShape:
     @classmethod
     def of(cls, config) -> "ModelShape":
         """Built on the meta device from the config alone: no weights read, no memory."""
-        import torch
-        from transformers import AutoModelForCausalLM
+        from ..model import meta_model, num_params
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        params = {id(p): p for p in model.parameters()}.values()  # a tied lm_head counts once
-        return cls(sum(p.numel() for p in params), max(p.numel() for p in params))
+        model = meta_model(config)
+        return cls(num_params(model), max(p.numel() for p in model.parameters()))
 
 
 @dataclass
@@ -82,10 +80,6 @@ class Estimate:
         return asdict(self)
 
 
-def precision_of(ds: dict) -> str:
-    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
-
-
 def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = None,
              activations: Activations | None = None, gpu_memory: int | None = None) -> Estimate:
     """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it."""
@@ -94,7 +88,7 @@ def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = 
     from ..ds_config import offloads, zero_stage
 
     shape = shape or ModelShape.of(model_config)
-    precision = precision_of(ds)
+    precision = ds_precision(ds)
     p = 4 if precision == "fp32" else 2
     stage = zero_stage(ds)
     off_opt, off_par = offloads(ds)

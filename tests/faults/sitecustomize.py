@@ -1,0 +1,89 @@
+"""Test-only fault injection for train.py's processes, so production code carries no test hooks.
+
+tests/helpers.fault_env() puts this directory first on PYTHONPATH; Python then imports this file at start-up
+in the launcher and in every rank. It wraps DeepSpeed and zero_recipes functions as they are imported:
+
+    ZERO_RECIPES_TEST_NAN_AT_STEP=N          the training loss of optimizer step N becomes NaN (a real backward
+                                             and optimizer step run on it)
+    ZERO_RECIPES_TEST_KILL=WHERE:STEP:RANK   SIGKILL that rank during that step's checkpoint save. in_save: its
+                                             DeepSpeed files are written and `latest` has not moved, the moment a
+                                             kill is most dangerous. after_save: the checkpoint is complete, as
+                                             when a job dies between saves.
+"""
+
+import importlib.abc
+import os
+import signal
+import sys
+
+NAN_AT_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))
+KILL = os.environ.get("ZERO_RECIPES_TEST_KILL", "")
+
+
+def _kill_if(where: str, step: int) -> None:
+    if KILL == f"{where}:{step}:{os.environ.get('RANK', 0)}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _patch_engine(module) -> None:
+    engine = module.DeepSpeedEngine
+    forward, save_checkpoint = engine.forward, engine.save_checkpoint
+
+    def nan_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training and self.global_steps + 1 == NAN_AT_STEP:
+            out.loss = out.loss * float("nan")
+        return out
+
+    def killing_save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        result = save_checkpoint(self, save_dir, tag, *args, **kwargs)
+        _kill_if("in_save", int(str(tag).split("-")[-1]))
+        return result
+
+    if NAN_AT_STEP:
+        engine.forward = nan_forward
+    if KILL.startswith("in_save:"):
+        engine.save_checkpoint = killing_save_checkpoint
+
+
+def _patch_checkpointer(module) -> None:
+    save = module.Checkpointer.save
+
+    def killing_save(self, engine, step, *args, **kwargs):
+        path = save(self, engine, step, *args, **kwargs)
+        _kill_if("after_save", step)
+        return path
+
+    module.Checkpointer.save = killing_save
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs patch(module) right after `name` is first imported, whoever imports it."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if NAN_AT_STEP or KILL.startswith("in_save:"):
+    sys.meta_path.insert(0, _PatchOnImport("deepspeed.runtime.engine", _patch_engine))
+if KILL.startswith("after_save:"):
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.checkpoint", _patch_checkpointer))

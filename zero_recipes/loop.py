@@ -1,0 +1,238 @@
+"""The training loop: `fit` runs optimizer steps to the plan's total and calls the objects that log,
+evaluate, guard against a non-finite loss and checkpoint. `train_step` is one optimizer step.
+
+Every rank runs the same collectives in the same order: the step's label-token count (SFT), the
+non-finite check and the loss all-reduce at logging/saving steps, eval, the preemption agreement, the save.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import psutil
+import torch
+
+from . import data, metrics
+from .checkpoint import Checkpointer
+from .distributed import StopRequest
+from .plan import RunPlan
+
+
+@dataclass
+class Loop:
+    """What the loop reads and calls; built once in train.py."""
+
+    engine: object
+    plan: RunPlan
+    order: object  # data.BatchOrder or the streamed equivalent: next_batch(), epoch_progress, state_dict()
+    prepared: object  # data.Prepared: eval rows, pad id, whether labels are SFT-masked
+    log_file: metrics.MetricsLog
+    checkpointer: Checkpointer
+    stop: StopRequest
+    rank: int
+    log: Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: int
+    exit_code: int = 0
+    preempted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.exit_code == 0 and not self.preempted
+
+
+class NonFiniteGuard:
+    """The first step with a NaN/inf loss, kept on the device so the loop never syncs for it; `check` asks
+    every rank (one all-reduce) before anything is logged or saved, so no NaN checkpoint is ever written."""
+
+    NONE = 2**62
+
+    def __init__(self, device):
+        self.first_bad = torch.zeros((), dtype=torch.long, device=device)
+
+    def observe(self, loss, step: int) -> None:
+        self.first_bad = torch.where((self.first_bad == 0) & ~torch.isfinite(loss.detach()), step, self.first_bad)
+
+    def check(self) -> Optional[int]:
+        """Collective: the first step any rank saw a non-finite loss, or None."""
+        bad = torch.where(self.first_bad > 0, self.first_bad, torch.full_like(self.first_bad, self.NONE))
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MIN)
+        return None if bad.item() >= self.NONE else int(bad.item())
+
+
+def train_step(engine, micro_batches: list[dict], window: metrics.LogWindow, guard: NonFiniteGuard, step: int,
+               count_label_tokens: bool, measure_grad_norm: bool):
+    """One optimizer step over its micro-batches. Returns the grad norm when asked to measure it (ZeRO-0 in
+    fp32 runs without the DeepSpeed optimizer wrapper that records it), else None."""
+    world, accumulation = torch.distributed.get_world_size(), len(micro_batches)
+    # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
+    extra = {"use_cache": False}
+    if count_label_tokens:
+        # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its
+        # micro-batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
+        n_items = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).float()
+        torch.distributed.all_reduce(n_items)
+        # DeepSpeed divides by the accumulation steps and averages over ranks; undo both here
+        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * world)
+    grad_norm = None
+    for micro, batch in enumerate(micro_batches):
+        loss = engine(**batch, **extra).loss
+        engine.backward(loss)
+        if measure_grad_norm and micro == accumulation - 1:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
+                                                       if p.grad is not None])
+        engine.step()
+        window.add_loss(loss)
+        guard.observe(loss, step)
+    return grad_norm
+
+
+def fit(loop: Loop, step: int) -> Outcome:
+    """Train from `step` to the plan's total. Logs every `logging_steps`, evaluates every `eval_steps`,
+    saves every `save_steps` and at the end; on a preemption signal saves and returns early."""
+    engine, plan, cfg = loop.engine, loop.plan, loop.plan.cfg
+    total, device = plan.total_steps, engine.device
+    peak, peak_source = metrics.device_peak_flops(plan.precision)
+    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
+    loop.log(f"plan: {total} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
+             f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
+    window = metrics.LogWindow(device, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                               * cfg.block_size, cfg.gradient_accumulation_steps, flops_per_token, peak)
+    guard = NonFiniteGuard(device)
+    bar = progress_bar(loop.rank, total, step)
+    start_step, run_start = step, time.perf_counter()
+    time_to_first_step = None  # from process start (imports included) to the end of this launch's first step
+    losses: list[float] = []
+    if cfg.eval_on_start and step == 0:
+        with window.paused():
+            run_eval(loop, 0)
+    engine.train()
+    measure_grad_norm = plan.zero_stage == 0 and plan.precision == "fp32"
+    own_grad_norm = None
+    while step < total:
+        logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
+        t = time.perf_counter()
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in loop.order.next_batch().items()}
+                         for _ in range(cfg.gradient_accumulation_steps)]
+        window_wait = time.perf_counter() - t
+        norm = train_step(engine, micro_batches, window, guard, step + 1, loop.prepared.sft,
+                          measure_grad_norm and logging_step)
+        own_grad_norm = norm if norm is not None else own_grad_norm
+        step += 1
+        if step == start_step + 1:
+            time_to_first_step = time.time() - psutil.Process().create_time()
+        window.add_step(window_wait)
+        bar.update(1)
+        saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == total
+        if saving or step % cfg.logging_steps == 0:
+            bad = guard.check()
+            if bad is not None:
+                loop.log(f"error: the loss became non-finite (NaN or inf) at step {bad}; stopping without saving "
+                         f"a checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of "
+                         f"fp16; the last good checkpoint is {loop.checkpointer.latest_tag() or 'none'}")
+                bar.close()
+                return Outcome(step, exit_code=1)
+        if step % cfg.logging_steps == 0 or step == total:
+            first = step - window.steps == start_step
+            record = log_record(loop, window, step, own_grad_norm, time_to_first_step if first else None)
+            losses.append(record["loss"])
+            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                            tok_s=f"{record['tokens_per_sec']:.0f}")
+        if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == total:
+            with window.paused():
+                run_eval(loop, step)
+            engine.train()
+        preempted = loop.stop.agreed()
+        if saving or preempted:
+            with window.paused():
+                path = loop.checkpointer.save(engine, step, rank_state={"data": loop.order.state_dict()})
+            bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
+        if preempted and step < total:
+            bar.close()
+            loop.log(f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). "
+                     "Resume by launching the same command again (it continues from there), or with "
+                     "--resume_from_checkpoint auto")
+            return Outcome(step, preempted=True)
+    bar.close()
+    if step > start_step:
+        loop.log(f"train: {step - start_step} steps in {time.perf_counter() - run_start:.1f}s, "
+                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    else:
+        loop.log(f"train: already at step {step} of {total}; nothing left to train")
+    return Outcome(step)
+
+
+def log_record(loop: Loop, window: metrics.LogWindow, step: int, own_grad_norm,
+               time_to_first_step: Optional[float]) -> dict:
+    """Collective: one metrics record for the window that ends at `step`, written to every tracker.
+    `time_to_first_step` goes into the first record of a launch (None in the others)."""
+    w = window.record()
+    grad_norm = loop.engine.get_global_grad_norm()
+    grad_norm = own_grad_norm if grad_norm is None else grad_norm
+    record = {"step": step, "epoch": round(loop.order.epoch_progress, 4), "loss": w.pop("loss"),
+              "lr": loop.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+              **w, **metrics.memory_stats()}
+    if time_to_first_step is not None:
+        record["time_to_first_step"] = time_to_first_step
+    loop.log_file.write(record)
+    return record
+
+
+def run_eval(loop: Loop, step: int) -> None:
+    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, loop.rank, loop.plan.world)
+    if ev:
+        loop.log_file.write({"step": step, **ev})
+        loop.log(f"eval: step {step} {format_eval(ev)}")
+
+
+def evaluate(engine, prepared, cfg, rank: int, world: int) -> dict:
+    """Token-weighted eval loss over the label tokens, and for SFT the exact-match accuracy: the share
+    of eval examples whose every answer token is the model's argmax. Teacher-forced argmax on every
+    answer token is exactly what greedy decoding would produce, so this is greedy exact match at the
+    cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs)."""
+    engine.eval()
+    device = engine.device
+    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
+    with torch.no_grad():
+        for batch, weight in data.eval_batches(prepared.eval, cfg.per_device_eval_batch_size, rank, world,
+                                               cfg.max_eval_batches, prepared.pad_id):
+            batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
+            target = batch.pop("labels")[:, 1:]
+            logits = engine(**batch, use_cache=False).logits[:, :-1].float()
+            valid = target != -100
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none",
+                                                       ignore_index=-100)
+            total[0] += (losses.sum(dim=1) * weight).sum()
+            total[1] += (valid.sum(dim=1) * weight).sum()
+            if prepared.exact_match:
+                has_answer = valid.any(dim=1)
+                right = ((logits.argmax(-1) == target) | ~valid).all(dim=1) & has_answer
+                total[2] += (right * weight).sum()
+                total[3] += (has_answer * weight).sum()
+    torch.distributed.all_reduce(total)
+    if total[1].item() == 0:
+        return {}
+    loss = (total[0] / total[1]).item()
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
+    if prepared.exact_match and total[3].item() > 0:
+        out["eval_exact_match"] = (total[2] / total[3]).item()
+    return out
+
+
+def format_eval(ev: dict) -> str:
+    em = f" exact match {ev['eval_exact_match']:.1%}" if "eval_exact_match" in ev else ""
+    return f"loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}{em}"
+
+
+def progress_bar(rank: int, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=rank != 0, desc="train", unit="step", mininterval=1.0,
+                dynamic_ncols=True, file=sys.stderr)

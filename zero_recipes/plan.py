@@ -1,0 +1,107 @@
+"""The resolved run: every option of a launch worked out once, in one object that flows down.
+
+    plan = RunPlan.from_args(argv)              # schema <- recipe <- flags; DeepSpeed JSON merged and resolved
+    plan = plan.complete(total_steps, tokenizer)  # once the data gives the step count
+
+After `complete` nothing changes it: train.py, the engine, checkpoints and metrics only read it. A plan is
+frozen; `complete` returns a new one (with its own copy of the model config it sizes to the tokenizer).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from . import distributed, ds_config
+from . import model as modeling
+from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig, parse_args, parse_inline_or_file, parse_model_config
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: TrainConfig
+    """The typed config, with the values the DeepSpeed file sets explicitly adopted."""
+    raw_ds: dict
+    """The DeepSpeed fragments merged as given, "auto"s and all: what the run signature records."""
+    ds: dict
+    """The DeepSpeed dict `deepspeed.initialize` gets: every "auto" filled (the step counts once complete)."""
+    notes: tuple[str, ...]
+    """What resolution decided on the user's behalf (adopted values), printed at launch."""
+    model_config: Any
+    """The HF model config; sized to the tokenizer's vocabulary by `complete`."""
+    world: int
+    """Ranks in the job."""
+    signature: dict
+    """What makes two launches the same run (see checkpoint.check_output_dir)."""
+    total_steps: Optional[int] = None
+    """Optimizer steps to train; None until `complete`."""
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> RunPlan:
+        cfg, explicit = parse_args(argv)
+        raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
+        model_config = modeling.load_model_config(cfg)
+        world = distributed.rank_info()[2]
+        resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
+        cfg = resolved.cfg
+        ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
+        return cls(cfg, raw, resolved.ds, resolved.notes, model_config, world, run_signature(cfg, raw))
+
+    def complete(self, total_steps: int, tokenizer=None) -> RunPlan:
+        """The plan with the step count filled into the DeepSpeed dict and the model config sized to the
+        tokenizer (a random-init model takes its vocabulary and special ids from it)."""
+        if self.total_steps is not None:
+            raise RuntimeError("RunPlan.complete called twice")
+        model_config = self.model_config
+        if tokenizer is not None:
+            model_config = copy.deepcopy(model_config)
+            cfg = self.cfg
+            if cfg.model_name_or_path is None and cfg.model_config is None:
+                model_config.vocab_size = len(tokenizer)  # the embedded model is sized to the embedded tokenizer
+            elif len(tokenizer) > model_config.get_text_config().vocab_size:
+                raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                                  f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer")
+            if cfg.model_name_or_path is None:  # random init: generate() must stop where the tokenizer ends text
+                modeling.use_tokenizer_special_ids(model_config, tokenizer)
+        ds = ds_config.with_steps(self.ds, self.cfg, total_steps)
+        return dataclasses.replace(self, ds=ds, model_config=model_config, total_steps=total_steps)
+
+    def steps_to_train(self, micro_batches_per_rank: int) -> int:
+        """`max_steps`, or the epochs' worth of optimizer steps over a rank's micro-batches per epoch."""
+        cfg = self.cfg
+        if cfg.max_steps > 0:
+            return cfg.max_steps
+        steps_per_epoch = micro_batches_per_rank // cfg.gradient_accumulation_steps
+        return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+
+    # ---- read-only views -------------------------------------------------------------------------
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def zero_stage(self) -> int:
+        return ds_config.zero_stage(self.ds)
+
+    @property
+    def precision(self) -> str:
+        return ds_config.precision(self.ds)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, all ranks together."""
+        return self.ds["train_batch_size"]
+
+
+def run_signature(cfg: TrainConfig, raw_ds: dict) -> dict:
+    """What makes two launches the same run: every field but the per-launch controls, plus DeepSpeed."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CONTROL_FIELDS}
+    d["model_config"] = parse_model_config(cfg.model_config)
+    d["dataset_mixture"] = parse_inline_or_file("dataset_mixture", cfg.dataset_mixture)
+    d["deepspeed"] = raw_ds
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
