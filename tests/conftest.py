@@ -6,16 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import CONFIGS, FAST, PRECISIONS, aio_available, launch
+from helpers import CONFIGS, FAST, INJECT, PRECISIONS, aio_available, launch
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (pytest.ini runs 2 workers) each worker picks launcher ports from its own range
-    below the kernel's ephemeral ports (32768+), so parallel launches never collide (see free_port)."""
+    """Every process a test launches loads tests/inject/sitecustomize.py (faults on request, port ranges).
+    Under pytest-xdist (pytest.ini runs 2 workers) each worker picks ports from its own range below the
+    kernel's ephemeral ports (32768+), so parallel launches never collide (distributed.free_port)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         lo = 12000 + 2000 * int(worker[2:])
-        os.environ["ZERO_RECIPES_PORTS"] = f"{lo}:{lo + 2000}"
+        os.environ["ZERO_RECIPES_TEST_PORTS"] = f"{lo}:{lo + 2000}"
 
 
 @pytest.fixture(scope="session", autouse=True)

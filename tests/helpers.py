@@ -11,9 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zero_recipes import shipped
-from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+from zero_recipes import distributed
 
 REPO = Path(__file__).resolve().parent.parent
+INJECT = REPO / "tests" / "inject"  # sitecustomize.py for the processes tests launch (conftest puts it on PYTHONPATH)
+
+
+def free_port() -> int:
+    """A port from this pytest worker's own range (conftest.py), as train.py and the benchmarks pick them here."""
+    return distributed.free_port(os.environ.get("ZERO_RECIPES_TEST_PORTS"))
 
 # Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
 FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size", "4",
@@ -91,9 +97,6 @@ def aio_available() -> bool:
 
 
 def fault_env(**faults) -> dict:
-    """The environment that makes tests/faults/sitecustomize.py inject faults into train.py's processes:
+    """The environment that makes tests/inject/sitecustomize.py inject faults into train.py's processes:
     fault_env(kill="in_save:10:1") or fault_env(nan_at_step=7); see that file."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH")]))}
-    for name, value in faults.items():
-        env[f"ZERO_RECIPES_TEST_{name.upper()}"] = str(value)
-    return env
+    return {f"ZERO_RECIPES_TEST_{name.upper()}": str(value) for name, value in faults.items()}

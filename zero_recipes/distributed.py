@@ -55,15 +55,13 @@ def set_threads(local_world: int) -> int:
     return n
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on. ZERO_RECIPES_PORTS=LO:HI picks from that range instead of the kernel's
-    ephemeral one: the test suite gives each parallel worker its own range below the ephemeral ports, so a
-    port chosen here can be taken neither by the other worker nor by gloo's own connections before the
-    launcher binds it."""
+def free_port(span: str | None = None) -> int:
+    """A TCP port nothing listens on: the kernel's choice, or one from `span` ("LO:HI"). A range below the
+    ephemeral ports (32768+) cannot be taken by gloo's own connections between the choice and the bind;
+    the test suite gives each parallel worker its own (tests/inject/sitecustomize.py)."""
     import random
     import socket
 
-    span = os.environ.get("ZERO_RECIPES_PORTS")
     candidates = [0]
     if span:
         lo, hi = (int(x) for x in span.split(":"))

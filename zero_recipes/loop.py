@@ -97,16 +97,9 @@ def train_step(engine, micro_batches: list[dict], window: metrics.LogWindow, gua
 def fit(loop: Loop, step: int) -> Outcome:
     """Train from `step` to the plan's total. Logs every `logging_steps`, evaluates every `eval_steps`,
     saves every `save_steps` and at the end; on a preemption signal saves and returns early."""
-    engine, plan, cfg = loop.engine, loop.plan, loop.plan.cfg
-    total, device = plan.total_steps, engine.device
-    peak, peak_source = metrics.device_peak_flops(plan.precision)
-    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
-    loop.log(f"plan: {total} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
-             f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
-    window = metrics.LogWindow(device, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-                               * cfg.block_size, cfg.gradient_accumulation_steps, flops_per_token, peak)
-    guard = NonFiniteGuard(device)
-    bar = progress_bar(loop.rank, total, step)
+    engine, cfg, total = loop.engine, loop.plan.cfg, loop.plan.total_steps
+    window = open_window(loop)
+    guard, bar = NonFiniteGuard(engine.device), progress_bar(loop.rank, total, step)
     start_step, run_start = step, time.perf_counter()
     time_to_first_step = None  # from process start (imports included) to the end of this launch's first step
     losses: list[float] = []
@@ -114,31 +107,28 @@ def fit(loop: Loop, step: int) -> Outcome:
         with window.paused():
             run_eval(loop, 0)
     engine.train()
-    measure_grad_norm = plan.zero_stage == 0 and plan.precision == "fp32"
+    measure_grad_norm = loop.plan.zero_stage == 0 and loop.plan.precision == "fp32"
     own_grad_norm = None
     while step < total:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
         t = time.perf_counter()
-        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in loop.order.next_batch().items()}
+        micro_batches = [{k: v.to(engine.device, non_blocking=True) for k, v in loop.order.next_batch().items()}
                          for _ in range(cfg.gradient_accumulation_steps)]
-        window_wait = time.perf_counter() - t
+        data_wait = time.perf_counter() - t
         norm = train_step(engine, micro_batches, window, guard, step + 1, loop.prepared.sft,
                           measure_grad_norm and logging_step)
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:
             time_to_first_step = time.time() - psutil.Process().create_time()
-        window.add_step(window_wait)
+        window.add_step(data_wait)
         bar.update(1)
         saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == total
         if saving or step % cfg.logging_steps == 0:
             bad = guard.check()
             if bad is not None:
-                loop.log(f"error: the loss became non-finite (NaN or inf) at step {bad}; stopping without saving "
-                         f"a checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of "
-                         f"fp16; the last good checkpoint is {loop.checkpointer.latest_tag() or 'none'}")
                 bar.close()
-                return Outcome(step, exit_code=1)
+                return stop_non_finite(loop, bad, step)
         if step % cfg.logging_steps == 0 or step == total:
             first = step - window.steps == start_step
             record = log_record(loop, window, step, own_grad_norm, time_to_first_step if first else None)
@@ -156,9 +146,8 @@ def fit(loop: Loop, step: int) -> Outcome:
             bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
         if preempted and step < total:
             bar.close()
-            loop.log(f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). "
-                     "Resume by launching the same command again (it continues from there), or with "
-                     "--resume_from_checkpoint auto")
+            loop.log(f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
+                     "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto")
             return Outcome(step, preempted=True)
     bar.close()
     if step > start_step:
@@ -167,6 +156,25 @@ def fit(loop: Loop, step: int) -> Outcome:
     else:
         loop.log(f"train: already at step {step} of {total}; nothing left to train")
     return Outcome(step)
+
+
+def stop_non_finite(loop: Loop, bad_step: int, step: int) -> Outcome:
+    loop.log(f"error: the loss became non-finite (NaN or inf) at step {bad_step}; stopping without saving a "
+             f"checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of fp16; the last "
+             f"good checkpoint is {loop.checkpointer.latest_tag() or 'none'}")
+    return Outcome(step, exit_code=1)
+
+
+def open_window(loop: Loop) -> metrics.LogWindow:
+    """The first logging window, after the line that states the run's size and the peak MFU is taken against."""
+    plan, cfg = loop.plan, loop.plan.cfg
+    peak, peak_source = metrics.device_peak_flops(plan.precision)
+    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
+    loop.log(f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
+             f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
+    tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    return metrics.LogWindow(loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps,
+                             flops_per_token, peak)
 
 
 def log_record(loop: Loop, window: metrics.LogWindow, step: int, own_grad_norm,

@@ -65,7 +65,9 @@ def _split(total: float, states: float, host: float) -> PhaseBytes:
 
 def phases(s: Setup) -> dict[str, PhaseBytes]:
     """Bytes of one rank in each phase (plus "steady": what stays between steps), activations excluded.
-    Totals are per parameter; `states` and `host` follow the paper's accounting, `buffers` are the rest."""
+    Totals are per parameter; `states` and `host` follow the paper's accounting, `buffers` are the rest.
+    One branch per ZeRO stage and offload, kept in one function (over 60 lines) so the accounting of the
+    cases reads side by side."""
     P, N, p, f = s.num_params, s.world, s.bytes_per_param, s.largest_param / s.num_params
     off_opt, off_par = s.offload_optimizer is not None, s.offload_param is not None
     temp = 8 if s.adam_temporaries and not off_opt else 0

@@ -1,8 +1,10 @@
-"""Test-only fault injection for train.py's processes, so production code carries no test hooks.
+"""What the tests inject into the processes they launch, so production code carries no test hooks.
 
-tests/helpers.fault_env() puts this directory first on PYTHONPATH; Python then imports this file at start-up
-in the launcher and in every rank. It wraps DeepSpeed and zero_recipes functions as they are imported:
+tests/conftest.py puts this directory first on PYTHONPATH; Python then imports this file at start-up in
+every process a test starts (launchers, ranks, benchmarks). It wraps DeepSpeed and zero_recipes functions
+as they are imported, and only when asked (tests/helpers.fault_env):
 
+    ZERO_RECIPES_TEST_PORTS=LO:HI            ports come from this range (one per pytest-xdist worker)
     ZERO_RECIPES_TEST_NAN_AT_STEP=N          the training loss of optimizer step N becomes NaN (a real backward
                                              and optimizer step run on it)
     ZERO_RECIPES_TEST_KILL=WHERE:STEP:RANK   SIGKILL that rank during that step's checkpoint save. in_save: its
@@ -18,6 +20,7 @@ import sys
 
 NAN_AT_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))
 KILL = os.environ.get("ZERO_RECIPES_TEST_KILL", "")
+PORTS = os.environ.get("ZERO_RECIPES_TEST_PORTS", "")
 
 
 def _kill_if(where: str, step: int) -> None:
@@ -83,6 +86,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _patch_ports(module) -> None:
+    free_port = module.free_port
+    module.free_port = lambda span=None: free_port(span or PORTS)
+
+
+if PORTS:
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed", _patch_ports))
 if NAN_AT_STEP or KILL.startswith("in_save:"):
     sys.meta_path.insert(0, _PatchOnImport("deepspeed.runtime.engine", _patch_engine))
 if KILL.startswith("after_save:"):
