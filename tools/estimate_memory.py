@@ -139,13 +139,15 @@ def table(args, gpu_memory) -> dict:
     scaled by micro-batch (exact for sdpa/flash: they are linear in it)."""
     import dataclasses
 
+    from zero_recipes.ds_config import precision as ds_precision
     from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
 
     cfg, config, ds, notes = load(args, args.deepspeed or TABLE_CONFIGS["zero1"], 1)
     shape = ModelShape.of(config)
     import torch
 
-    dtype = torch.float32 if not (ds["bf16"]["enabled"] or ds["fp16"]["enabled"]) else torch.bfloat16
+    precision = ds_precision(ds)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # activations: 2 bytes in bf16 and fp16 alike
     acts = {gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
             for gc in (False, True)}
     rows, best = [], {}
@@ -176,7 +178,7 @@ def table(args, gpu_memory) -> dict:
                 micro *= 2
             best[n] = {"config": name, "gradient_checkpointing": gc, "peak_bytes": e.per_gpu["peak_bytes"],
                        "max_micro_batch_size": micro}
-    return {"num_params": shape.num_params, "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
+    return {"num_params": shape.num_params, "precision": precision,
             "seq_len": cfg.block_size, "micro_batch_size": cfg.per_device_train_batch_size, "gpu_memory": gpu_memory,
             "rows": rows, "recommended": best, "notes": notes}
 
@@ -240,7 +242,7 @@ def main(argv: list[str]) -> int:
         if args.tokens:
             world = args.num_gpus * args.num_nodes
             out["compute"] = training_compute(config, e.num_params, args.tokens, cfg.block_size, world, args.gpu,
-                                              "fp32" if e.precision == "fp32" else "bf16", args.mfu, args.gpu_power)
+                                              e.precision, args.mfu, args.gpu_power)
         if args.json:
             print(json.dumps(out, indent=2))
         else:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO, free_port
+from zero_recipes.ds_config import precision
 from zero_recipes.memory import Launch, estimate, rank_total
 
 SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -54,7 +55,7 @@ def test_model_states_match_real_deepspeed(configs, ranks, tmp_path):
     n = rank["num_params"]
     assert e.num_params == n  # the meta-device count matches the engine's
     for phase in ("forward_backward", "optimizer_step"):
-        one_copy = n * (2 if "bf16" in measured["ds_config"] and measured["ds_config"]["bf16"]["enabled"] else 4)
+        one_copy = n * (4 if precision(measured["ds_config"]) == "fp32" else 2)
         low = (1 - UNDER - NOISE) * rank["peak"][phase] - (one_copy if ranks > 1 else 0)
         assert low <= rank_total(e, phase) <= (1 + OVER + NOISE) * rank["peak"][phase], \
             (phase, rank_total(e, phase), rank["peak"][phase])

@@ -37,13 +37,13 @@ def main(argv: list[str]) -> int:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from zero_recipes import data, distributed, model as modeling
+    from zero_recipes import data, distributed, ds_config, model as modeling
 
     w = setup(argv)
     cfg = w.cfg
     cuda = torch.cuda.is_available()
     PartialState(backend="nccl" if cuda else "gloo")
-    precision = "bf16" if w.ds["bf16"]["enabled"] else "fp16" if w.ds["fp16"]["enabled"] else "fp32"
+    precision = ds_config.precision(w.ds)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-trainer-bench-"), max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.per_device_train_batch_size,

@@ -64,7 +64,6 @@ def main(argv: list[str]) -> int:
     model_config = modeling.load_model_config(cfg)
     ds, _ = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world,
                               modeling.hidden_size(model_config), STEPS)
-    dtype = torch.bfloat16 if ds["bf16"]["enabled"] else torch.float32
     from transformers.integrations import HfDeepSpeedConfig
 
     modeling.causal_lm_class(model_config)
@@ -87,8 +86,8 @@ def main(argv: list[str]) -> int:
             with record_function("phase:optimizer_step"):
                 engine.step()
     mine = timeline(prof)
-    mine["num_params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-    mine["dtype"] = str(dtype).replace("torch.", "")
+    mine["num_params"] = modeling.num_params(engine.module)
+    mine["precision"] = ds_config.precision(ds)
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:
