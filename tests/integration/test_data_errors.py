@@ -1,15 +1,13 @@
 """Bad data gets one line naming the problem and the fix, and a non-zero exit with nothing written."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from zero_recipes import data
-from zero_recipes.config import ConfigError, TrainConfig
-
 from helpers import REPO
+from zero_recipes import data
+from zero_recipes.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 each on files the test writes."""
 
 import json
+from dataclasses import fields, is_dataclass, replace
 
 import datasets
 import numpy as np
@@ -9,7 +10,8 @@ import pandas as pd
 import pytest
 
 from zero_recipes import data
-from zero_recipes.config import ConfigError, TrainConfig
+from zero_recipes.config import TrainConfig
+from zero_recipes.data import options, pipeline
 
 TEXTS = [f"Document number {i} says: " + " ".join(f"word{j}" for j in range(i % 13 + 3)) for i in range(60)]
 
@@ -33,7 +35,7 @@ def rows_of(samples):
 
 
 def labels_text(tok, batch_row_ids, batch_row_labels):
-    return tok.decode([t for t, l in zip(batch_row_ids, batch_row_labels) if l != -100])
+    return tok.decode([t for t, label in zip(batch_row_ids, batch_row_labels) if label != -100])
 
 
 def write_jsonl(path, rows):
@@ -85,6 +87,65 @@ def test_second_prepare_reads_the_cache(tmp_path, tok):
     assert not any("tokenisation skipped" in m for m in logs[:n])
     assert any("tokenisation skipped" in m for m in logs[n:])
     assert rows_of(first.train) == rows_of(second.train)
+
+
+def option_fields(opts):
+    """(name, value, setter) for every field of a DataOptions, nested ones included; setter(v) returns a
+    copy of `opts` with that field set to v."""
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if is_dataclass(value):
+            for name, v, set_inner in option_fields(value):
+                yield name, v, lambda new, f=f, s=set_inner: replace(opts, **{f.name: s(new)})
+        else:
+            yield f.name, value, lambda new, f=f: replace(opts, **{f.name: new})
+
+
+def another(name, value):
+    if name == "format":
+        return "text" if value != "text" else "auto"
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "_other"
+    raise AssertionError(f"DataOptions.{name}: no other value for a {type(value).__name__}; teach this test one")
+
+
+def test_cache_key_changes_with_every_data_option_and_nothing_else(tmp_path, tok):
+    """Each DataOptions field is read from its TrainConfig option and changes the prepared-data cache key;
+    options that do not shape the rows leave the key alone, so they reuse the cache."""
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])
+    base = TrainConfig(dataset_name=str(path), cache_dir=str(tmp_path / "cache"))
+    spec = data.dataset_specs(base)[0]
+    source = data.describe(spec, base)
+    opts = data.DataOptions.from_config(base, spec)
+
+    def key_of(cfg):
+        s = data.dataset_specs(cfg)[0]
+        return pipeline.cache_key(s, data.describe(s, cfg), data.DataOptions.from_config(cfg, s), tok)
+
+    ref = pipeline.cache_key(spec, source, opts, tok)
+    assert key_of(base) == ref
+    found = list(option_fields(opts))
+    assert len({name for name, _, _ in found}) == len(found) >= 11  # one TrainConfig field per name
+    for name, value, with_value in found:
+        new = another(name, value)
+        # the key hashes the option itself (spec and source held fixed) ...
+        assert pipeline.cache_key(spec, source, with_value(new), tok) != ref, name
+        # ... and from_config reads it from the TrainConfig field of its name
+        cfg = replace(base, **{options.PER_DATASET.get(name, name): new})
+        assert data.DataOptions.from_config(cfg, data.dataset_specs(cfg)[0]) == with_value(new), name
+        assert key_of(cfg) != ref, name
+    for unrelated in ({"learning_rate": 1e-4}, {"max_steps": 7}, {"per_device_train_batch_size": 3},
+                      {"preprocessing_num_workers": 1}, {"streaming": True}):
+        assert key_of(replace(base, **unrelated)) == ref, unrelated
+    assert pipeline.cache_key(replace(spec, weight=0.5), source, opts, tok) == ref  # a mixture weight
+    # a mixture entry's own format and text column win over the run's
+    entry = replace(spec, format="text", text_column="body")
+    assert data.DataOptions.from_config(base, entry).tokenize == replace(opts.tokenize, format="text",
+                                                                        text_column="body")
 
 
 def test_format_detection_says_what_it_found(tmp_path, tok):

@@ -11,7 +11,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from .cache import cache_root, digest as _digest
 
 # ---- the embedded corpus ---------------------------------------------------------------------------

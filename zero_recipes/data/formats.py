@@ -17,6 +17,7 @@ from itertools import chain
 import numpy as np
 
 from ..config import ConfigError
+from .options import TokenizeOptions
 
 REQUIRED_COLUMNS = {"text": None, "prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "output"),
                     "messages": ("messages",)}
@@ -143,10 +144,10 @@ class Tokenize:
     flat arrays: ids, per-example lengths, the label mask (SFT), and what cleaning needs. Returning a few
     large numpy arrays instead of a Python list per example is what makes the Arrow write cheap."""
 
-    def __init__(self, tok, fmt: str, text_column: str, train_on_prompt: bool, strip: bool, normalize: bool,
-                 dedupe: bool):
-        self.tok, self.fmt, self.column = tok, fmt, text_column
-        self.train_on_prompt, self.strip, self.normalize, self.dedupe = train_on_prompt, strip, normalize, dedupe
+    def __init__(self, tok, opts: TokenizeOptions):
+        if opts.format not in REQUIRED_COLUMNS:  # "auto" is not a format to tokenise with
+            raise ValueError(f"Tokenize needs a detected format, got {opts.format!r}; see DataOptions.resolved")
+        self.tok, self.opts, self.fmt = tok, opts, opts.format
 
     def _encode(self, texts) -> list[list[int]]:
         # encode_batch_fast skips the character offsets that only SFT masking needs (about 1.8x faster here)
@@ -162,9 +163,10 @@ class Tokenize:
     def text(self, batch) -> dict:
         eos = self.tok.eos_token_id
         out = {}
-        texts = [_str(t) for t in batch[self.column]]
-        for step, fn in (("html", strip_html if self.strip else None),
-                         ("whitespace", normalize_whitespace if self.normalize else None)):
+        texts = [_str(t) for t in batch[self.opts.text_column]]
+        opts = self.opts
+        for step, fn in (("html", strip_html if opts.strip_html else None),
+                         ("whitespace", normalize_whitespace if opts.normalize_whitespace else None)):
             if fn is None:
                 continue
             cleaned = [fn(t) for t in texts]
@@ -181,7 +183,7 @@ class Tokenize:
         flat = np.fromiter(chain.from_iterable(chain.from_iterable((x, (eos,)) for x in ids)), dtype=np.int32,
                            count=int(lengths.sum()))
         out.update(ids=flat, lengths=lengths)
-        if self.dedupe:
+        if self.opts.dedupe:
             out["hash"] = np.array([content_hash(t) for t in texts], dtype=np.int64)
         return out
 
@@ -195,18 +197,18 @@ class Tokenize:
         all_ids, masks = [], []
         for ids, offsets, (text, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
             mask = token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
-            if self.train_on_prompt:
+            if self.opts.train_on_prompt:
                 mask[:] = 1
             if not ids or ids[-1] != eos:  # every example ends in EOS, trained when the answer ends the text
                 last_trained = bool(spans) and spans[-1][1] >= len(text.rstrip())
                 ids = ids + [eos]
-                mask = np.append(mask, np.uint8(1 if (self.train_on_prompt or last_trained) else 0))
+                mask = np.append(mask, np.uint8(1 if (self.opts.train_on_prompt or last_trained) else 0))
             all_ids.append(ids)
             masks.append(mask)
         out = {"ids": np.fromiter(chain.from_iterable(all_ids), dtype=np.int32),
                "lengths": np.array([len(x) for x in all_ids], dtype=np.int64),
                "mask": np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)}
-        if self.dedupe:
+        if self.opts.dedupe:
             out["hash"] = np.array([content_hash(row) for row in rows], dtype=np.int64)
         return out
 

@@ -3,8 +3,8 @@
 For each dataset: load -> detect the format -> clean and tokenise (batched `datasets.map`, fast
 tokenizer, `num_proc`) -> drop short, duplicate, answerless and over-long examples -> split off eval ->
 lay out rows (stream windows for text, packed or single examples for SFT) -> save flat .npy arrays.
-The cache key covers the data's identity, the tokenizer and every option that changes the rows, so a
-second launch memory-maps the arrays and tokenises nothing.
+The cache key covers the data's identity, the tokenizer and every option that changes the rows (all of
+them in `DataOptions`), so a second launch memory-maps the arrays and tokenises nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from ..config import ConfigError
 from . import formats, packing, sources
 from .cache import cache_root, digest, publish, tokenizer_fingerprint
+from .options import DataOptions
 from .order import Mixture
 
 DATA_FORMAT_VERSION = "4"  # bump when the cached layout or the rendering changes
@@ -74,17 +75,20 @@ def prepare(cfg, tok, log) -> Prepared:
     return Prepared(train, evald, fmts, pad_id)
 
 
-def cache_key(cfg, spec, source, tok) -> str:
+def cache_key(spec, source, opts: DataOptions, tok) -> str:
+    """What the prepared rows of one dataset depend on: the data (where it comes from, its config and
+    splits), the tokenizer and the options. Not the mixture weight: it decides how often rows are drawn,
+    not what they are."""
     return digest(DATA_FORMAT_VERSION, source, asdict(spec) | {"weight": None}, tokenizer_fingerprint(tok),
-                  cfg.block_size, cfg.packing, cfg.train_on_prompt, cfg.strip_html, cfg.normalize_whitespace,
-                  cfg.min_document_tokens, cfg.dedupe, cfg.validation_split_percentage, cfg.seed)
+                  asdict(opts))
 
 
 def prepare_one(cfg, spec, tok, log):
     source = sources.describe(spec, cfg)
-    out = cache_root(cfg) / "prepared" / cache_key(cfg, spec, source, tok)
+    opts = DataOptions.from_config(cfg, spec)
+    out = cache_root(cfg) / "prepared" / cache_key(spec, source, opts, tok)
     if not (out / "meta.json").exists():
-        build(cfg, spec, source, tok, out, log)
+        build(cfg, spec, source, opts, tok, out, log)
     else:
         log(f"data: {spec.name}: cached arrays found at {out}; tokenisation skipped")
     meta = json.loads((out / "meta.json").read_text())
@@ -99,14 +103,18 @@ def load_rows(out, name) -> packing.Samples:
     return packing.Samples(arr("tokens"), mask, np.asarray(arr("seg")), np.asarray(arr("ptr")))
 
 
-def tokenize(cfg, spec, ds, fmt, tok, desc):
+def load_split(cfg, spec, source, split):
+    return sources.load(spec, source, split, trust_remote_code=cfg.trust_remote_code)
+
+
+def tokenize(cfg, ds, opts: DataOptions, tok, desc) -> Tokenized:
+    """`formats.Tokenize` over `ds` with `datasets.map`, whose own cache is keyed by the tokenisation
+    options only, so a change of layout (block_size, packing, ...) reuses the tokenised examples."""
     procs = min(num_workers(cfg), max(1, len(ds) // 2000))
-    fn = formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html, cfg.normalize_whitespace,
-                          cfg.dedupe)
-    fp = digest(ds._fingerprint, tokenizer_fingerprint(tok), fmt, spec.text_column, cfg.train_on_prompt,
-                cfg.strip_html, cfg.normalize_whitespace, cfg.dedupe, DATA_FORMAT_VERSION)
-    return ds.map(fn, batched=True, batch_size=1000, with_indices=True, num_proc=procs, remove_columns=ds.column_names,
-                  new_fingerprint=f"tok-{fp}", desc=desc)
+    fp = digest(ds._fingerprint, tokenizer_fingerprint(tok), asdict(opts.tokenize), DATA_FORMAT_VERSION)
+    out = ds.map(formats.Tokenize(tok, opts.tokenize), batched=True, batch_size=1000, with_indices=True,
+                 num_proc=procs, remove_columns=ds.column_names, new_fingerprint=f"tok-{fp}", desc=desc)
+    return Tokenized(out, opts.tokenize.format != "text")
 
 
 def column(ds, name) -> "pa.ChunkedArray":  # noqa: F821
@@ -134,69 +142,29 @@ class Tokenized:
                       if name in ds.column_names}
 
 
-def build(cfg, spec, source, tok, out, log) -> None:
-    ds = sources.load(spec, source, spec.split, trust_remote_code=cfg.trust_remote_code)
+def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
+    """Prepare one dataset into `out`. Everything that shapes the rows comes from `opts` (which the cache
+    key hashes); of `cfg` only the worker count and trust_remote_code are read."""
+    ds = load_split(cfg, spec, source, spec.split)
     if len(ds) == 0:
         raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
-    fmt, how = formats.detect_format(spec.format, ds.column_names, spec.text_column, spec.name)
+    fmt, how = formats.detect_format(opts.tokenize.format, ds.column_names, opts.tokenize.text_column, spec.name)
     log(f"data: {spec.name}: {how}")
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
-    tk = Tokenized(tokenize(cfg, spec, ds, fmt, tok, "tokenising"), fmt != "text")
-    lengths = tk.lengths
-    report = {"documents": len(lengths)}
-    keep = np.ones(len(lengths), dtype=bool)
-    for step in ("html", "whitespace"):
-        if f"removed_{step}" in tk.extra:
-            removed = tk.extra[f"removed_{step}"]
-            report[f"cleaning {step}"] = {"documents": 0, "tokens": int(removed.sum()), "changed": int((removed != 0).sum())}
+    opts = opts.resolved(fmt)
+    tk = tokenize(cfg, ds, opts, tok, "tokenising")
+    report = {"documents": len(tk.lengths)}
+    kept = np.flatnonzero(select(tk, opts, spec.name, report))
+    eval_tk, eval_kept, kept = hold_out(cfg, spec, source, opts, tok, tk, kept)
 
-    def drop(name, bad):
-        bad = bad & keep
-        report[name] = {"documents": int(bad.sum()), "tokens": int(lengths[bad].sum())}
-        keep[bad] = False
-
-    if fmt != "text":  # every example has >= 1 token (its EOS), so reduceat sees no empty segment
-        drop("no answer tokens", np.add.reduceat(tk.mask.astype(np.int64), tk.starts) == 0)
-    if cfg.min_document_tokens:
-        drop(f"shorter than {cfg.min_document_tokens} tokens", lengths - 1 < cfg.min_document_tokens)  # EOS aside
-    if cfg.dedupe:
-        hashes = tk.extra["hash"]
-        first = np.zeros(len(hashes), dtype=bool)
-        candidates = np.flatnonzero(keep)
-        _, idx = np.unique(hashes[candidates], return_index=True)
-        first[candidates[idx]] = True
-        drop("exact duplicates", ~first)
-    if fmt != "text":
-        too_long = (lengths > cfg.block_size) & keep
-        if keep.any() and too_long.sum() == keep.sum():
-            raise ConfigError(f"dataset '{spec.name}': all {int(keep.sum())} examples are longer than block_size "
-                              f"{cfg.block_size} tokens (longest {int(lengths.max())}); raise --block_size")
-        drop(f"longer than block_size {cfg.block_size}", too_long)
-    if not keep.any():
-        raise ConfigError(f"dataset '{spec.name}' is empty after filtering: {summary(report)}; relax the cleaning options")
-
-    kept = np.flatnonzero(keep)
-    eval_tk, eval_kept = None, np.zeros(0, dtype=np.int64)
-    if spec.eval_split:
-        eval_ds = sources.load(spec, source, spec.eval_split, trust_remote_code=cfg.trust_remote_code)
-        if len(eval_ds):
-            formats.detect_format(fmt, eval_ds.column_names, spec.text_column, f"{spec.name}:{spec.eval_split}")
-            eval_tk = Tokenized(tokenize(cfg, spec, eval_ds, fmt, tok, "tokenising eval"), fmt != "text")
-            eval_kept = np.flatnonzero(eval_tk.lengths <= cfg.block_size) if fmt != "text" else \
-                np.arange(len(eval_tk.lengths))
-    elif cfg.validation_split_percentage > 0 and len(kept) >= 2:
-        n_eval = max(1, int(round(cfg.validation_split_percentage / 100 * len(kept))))
-        perm = np.random.default_rng(cfg.seed).permutation(len(kept))
-        eval_kept, kept = np.sort(kept[perm[:n_eval]]), np.sort(kept[perm[n_eval:]])
-        eval_tk = tk
-
+    block = opts.block_size
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    n_train = write_rows(tmp, "train", tk, kept, fmt, cfg.block_size, cfg.packing)
-    n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, cfg.block_size, False) if eval_tk is not None else 0
+    n_train = write_rows(tmp, "train", tk, kept, fmt, block, opts.packing)
+    n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, block, False) if eval_tk is not None else 0
     if n_train == 0:
-        raise ConfigError(f"dataset '{spec.name}' yields no full block of {cfg.block_size} tokens; lower --block_size "
+        raise ConfigError(f"dataset '{spec.name}' yields no full block of {block} tokens; lower --block_size "
                           "or use more data")
     report.update(format=fmt, train_rows=n_train, eval_rows=n_eval, train_examples=int(len(kept)),
                   eval_examples=int(len(eval_kept)))
@@ -204,9 +172,66 @@ def build(cfg, spec, source, tok, out, log) -> None:
                                                "report": report, "source": source}, default=str))
     publish(tmp, out)
     rows = load_rows(out, "train")
-    util = rows.num_tokens / (len(rows) * cfg.block_size)
-    log(f"data: {spec.name}: {summary(report)}; {len(kept)} train examples -> {n_train} rows of <= {cfg.block_size} "
+    util = rows.num_tokens / (len(rows) * block)
+    log(f"data: {spec.name}: {summary(report)}; {len(kept)} train examples -> {n_train} rows of <= {block} "
         f"tokens ({util:.1%} real tokens per block), {n_eval} eval rows; cached at {out}")
+
+
+def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndarray:
+    """Which examples to keep (a bool mask): what cleaning removed goes into `report`, then answerless,
+    short, duplicate and (SFT) over-long examples are dropped and counted there."""
+    fmt, block, lengths = opts.tokenize.format, opts.block_size, tk.lengths
+    keep = np.ones(len(lengths), dtype=bool)
+    for step in ("html", "whitespace"):
+        if f"removed_{step}" in tk.extra:
+            removed = tk.extra[f"removed_{step}"]
+            report[f"cleaning {step}"] = {"documents": 0, "tokens": int(removed.sum()), "changed": int((removed != 0).sum())}
+
+    def drop(what, bad):
+        bad = bad & keep
+        report[what] = {"documents": int(bad.sum()), "tokens": int(lengths[bad].sum())}
+        keep[bad] = False
+
+    if fmt != "text":  # every example has >= 1 token (its EOS), so reduceat sees no empty segment
+        drop("no answer tokens", np.add.reduceat(tk.mask.astype(np.int64), tk.starts) == 0)
+    if opts.min_document_tokens:
+        drop(f"shorter than {opts.min_document_tokens} tokens", lengths - 1 < opts.min_document_tokens)  # EOS aside
+    if opts.tokenize.dedupe:
+        hashes = tk.extra["hash"]
+        first = np.zeros(len(hashes), dtype=bool)
+        candidates = np.flatnonzero(keep)
+        _, idx = np.unique(hashes[candidates], return_index=True)
+        first[candidates[idx]] = True
+        drop("exact duplicates", ~first)
+    if fmt != "text":
+        too_long = (lengths > block) & keep
+        if keep.any() and too_long.sum() == keep.sum():
+            raise ConfigError(f"dataset '{name}': all {int(keep.sum())} examples are longer than block_size "
+                              f"{block} tokens (longest {int(lengths.max())}); raise --block_size")
+        drop(f"longer than block_size {block}", too_long)
+    if not keep.any():
+        raise ConfigError(f"dataset '{name}' is empty after filtering: {summary(report)}; relax the cleaning options")
+    return keep
+
+
+def hold_out(cfg, spec, source, opts: DataOptions, tok, tk: Tokenized, kept: np.ndarray):
+    """The eval examples: (their Tokenized or None, their indices in it, the train indices left). From the
+    eval split when there is one, else a seeded `validation_split_percentage` of the kept examples."""
+    fmt, none = opts.tokenize.format, np.zeros(0, dtype=np.int64)
+    if spec.eval_split:
+        eval_ds = load_split(cfg, spec, source, spec.eval_split)
+        if not len(eval_ds):
+            return None, none, kept
+        formats.detect_format(fmt, eval_ds.column_names, opts.tokenize.text_column, f"{spec.name}:{spec.eval_split}")
+        eval_tk = tokenize(cfg, eval_ds, opts, tok, "tokenising eval")
+        eval_kept = np.flatnonzero(eval_tk.lengths <= opts.block_size) if fmt != "text" else \
+            np.arange(len(eval_tk.lengths))
+        return eval_tk, eval_kept, kept
+    if opts.validation_split_percentage > 0 and len(kept) >= 2:
+        n_eval = max(1, int(round(opts.validation_split_percentage / 100 * len(kept))))
+        perm = np.random.default_rng(opts.seed).permutation(len(kept))
+        return tk, np.sort(kept[perm[:n_eval]]), np.sort(kept[perm[n_eval:]])
+    return None, none, kept
 
 
 def summary(report: dict) -> str:

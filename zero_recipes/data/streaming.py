@@ -13,6 +13,7 @@ import numpy as np
 
 from ..config import ConfigError
 from . import formats, packing, sources
+from .options import DataOptions
 from .pipeline import Prepared
 
 CHUNK = 256  # examples tokenised per call
@@ -28,21 +29,22 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     source = sources.describe(spec, cfg)
     head = sources.load(spec, source, spec.split, streaming=True, trust_remote_code=cfg.trust_remote_code)
     columns = head.column_names or list(next(iter(head)).keys())
-    fmt, how = formats.detect_format(spec.format, columns, spec.text_column, spec.name)
+    opts = DataOptions.from_config(cfg, spec)
+    fmt, how = formats.detect_format(opts.tokenize.format, columns, opts.tokenize.text_column, spec.name)
+    opts = opts.resolved(fmt)  # dedupe is off: refused above
     log(f"data: {spec.name}: {how}; streaming, sharded over {world} rank(s)")
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    n_eval = 0 if spec.eval_split or cfg.validation_split_percentage == 0 else \
+    n_eval = 0 if spec.eval_split or opts.validation_split_percentage == 0 else \
         (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
-    train = StreamOrder(cfg, spec, source, tok, fmt, rank, world, pad_id, skip=n_eval)
+    train = StreamOrder(cfg, spec, source, tok, opts, rank, world, pad_id, skip=n_eval)
     evald = None
     if spec.eval_split or n_eval:
         split = spec.eval_split or spec.split
         n = n_eval or (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
         ds = sources.load(spec, source, split, streaming=True, trust_remote_code=cfg.trust_remote_code).take(n)
-        evald = materialise(ds, formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html,
-                                                 cfg.normalize_whitespace, False), fmt, cfg.block_size)
+        evald = materialise(ds, formats.Tokenize(tok, opts.tokenize), fmt, opts.block_size)
         log(f"data: eval: {len(evald)} rows from the first {n} examples of split '{split}'"
             + ("" if spec.eval_split else ", which training skips"))
     return Prepared(train, evald, [fmt], pad_id)
@@ -70,12 +72,12 @@ def materialise(ds, fn, fmt, block) -> packing.Samples:
 class StreamOrder:
     """The streaming counterpart of BatchOrder: next_batch(), state_dict(), load_state_dict()."""
 
-    def __init__(self, cfg, spec, source, tok, fmt, rank, world, pad_id, skip: int):
-        self.cfg, self.spec, self.source, self.fmt = cfg, spec, source, fmt
+    def __init__(self, cfg, spec, source, tok, opts: DataOptions, rank, world, pad_id, skip: int):
+        """`opts` with the detected format (`DataOptions.resolved`)."""
+        self.cfg, self.spec, self.source, self.fmt = cfg, spec, source, opts.tokenize.format
         self.rank, self.world, self.pad_id, self.skip = rank, world, pad_id, skip
-        self.micro, self.block = cfg.per_device_train_batch_size, cfg.block_size
-        self.fn = formats.Tokenize(tok, fmt, spec.text_column, cfg.train_on_prompt, cfg.strip_html,
-                                   cfg.normalize_whitespace, False)
+        self.micro, self.block, self.packing = cfg.per_device_train_batch_size, opts.block_size, opts.packing
+        self.fn = formats.Tokenize(tok, opts.tokenize)
         self.epoch, self.example, self.offset = 0, 0, 0  # next unconsumed token: example's token `offset`
         self.dropped = 0
         self._it = None
@@ -160,12 +162,12 @@ class StreamOrder:
                 self.dropped += 1
                 self._advance()
                 continue
-            if row and (not self.cfg.packing or used + len(ids) > self.block):
+            if row and (not self.packing or used + len(ids) > self.block):
                 return row
             row.append((ids, mask))
             used += len(ids)
             self._advance()
-            if not self.cfg.packing:
+            if not self.packing:
                 return row
 
     def next_batch(self) -> dict:
