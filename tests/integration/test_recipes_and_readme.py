@@ -1,4 +1,7 @@
-"""Every shipped recipe and every config combination in the README's table resolves under --dry_run."""
+"""What the docs promise a user, checked where it is written: every shipped recipe resolves under --dry_run;
+every JSON in ds_configs/ is in ds_configs/README.md's table and each combination a row names resolves; the
+README's test command is what .ci/run runs; the README's recipe memory column matches the recipe headers;
+the docs' relative links point at files that exist. No test depends on a document's headings."""
 
 import re
 import shlex
@@ -11,12 +14,12 @@ from helpers import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()
+DS_README = (REPO / "ds_configs" / "README.md").read_text()
 
 
-def readme_config_rows() -> list[list[str]]:
-    """The `--deepspeed ...` combinations in the README's config table."""
-    section = README.split("## DeepSpeed configs", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\|\s*`(--deepspeed [^`]+)`", section, flags=re.M)
+def ds_config_rows() -> list[list[str]]:
+    """The `--deepspeed ...` combinations in ds_configs/README.md's table (rows that start with one)."""
+    rows = re.findall(r"^\|\s*`(--deepspeed [^`]+)`", DS_README, flags=re.M)
     return [shlex.split(r) for r in rows]
 
 
@@ -61,18 +64,57 @@ def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_st
     assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate
 
 
-def test_readme_table_lists_every_config(capsys):
-    rows = readme_config_rows()
+def test_ds_configs_readme_lists_every_config():
+    rows = ds_config_rows()
     assert len(rows) >= 8
+    shipped = {p.name for p in (REPO / "ds_configs").glob("*.json")}
     named = {Path(a).name for row in rows for a in row[1:]}
-    assert named == {p.name for p in (REPO / "ds_configs").glob("*.json")}
+    assert named == shipped, f"ds_configs/README.md's combinations name {sorted(named)}; shipped: {sorted(shipped)}"
+    # and each file has its own row (and its own reasons) in the table of files
+    described = set(re.findall(r"^\|\s*`(\w+\.json)`", DS_README, flags=re.M))
+    assert described == shipped, f"ds_configs/README.md describes {sorted(described)}; shipped: {sorted(shipped)}"
 
 
-@pytest.mark.parametrize("row", readme_config_rows(), ids=lambda r: " ".join(Path(a).stem for a in r[1:]))
-def test_readme_config_row_resolves(row, capsys, tmp_path):
+@pytest.mark.parametrize("row", ds_config_rows(), ids=lambda r: "+".join(Path(a).stem for a in r[1:]))
+def test_ds_configs_readme_row_resolves(row, capsys, tmp_path):
     extra = ["--nvme_path", str(tmp_path)] if any("nvme" in a for a in row) else []
     out = dry_run(row + extra, capsys)
     assert "resolved DeepSpeed config" in out and '"auto"' not in out
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's quick start line for the tests is exactly .ci/run's commands, in its order."""
+    line = "pip install -r requirements.txt && python tools/build_ops.py && python -m pytest"
+    assert line in README
+    assert "python -m pytest tests/unit" in README  # the unit tier on its own
+    ci = [s.strip() for s in (REPO / ".ci" / "run").read_text().splitlines()]
+    at = [ci.index(cmd) for cmd in line.split(" && ")]  # each a line of its own, ValueError if missing
+    assert at == sorted(at), f".ci/run runs {line.split(' && ')} in another order"
+
+
+def test_readme_recipe_memory_column_matches_headers():
+    """The README's est. peak / GPU column is the figure each recipe's '# Memory:' header states (which
+    test_recipe_header_memory_estimate_is_current keeps equal to tools/estimate_memory.py)."""
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\|\s*`recipes/([\w.-]+\.yaml)`.*$", README, flags=re.M)}
+    assert set(rows) == {p.name for p in RECIPES}, "the README's recipe tables must list every recipe"
+    for recipe in RECIPES:
+        stated = re.search(r"estimated peak ([0-9.]+) GiB per GPU", recipe.read_text()).group(1)
+        shown = re.findall(r"\|\s*([0-9.]+) GiB\s*\|", rows[recipe.name])
+        assert shown in ([], [stated]), f"README says {shown} GiB for {recipe.name}; its header says {stated}"
+
+
+DOCS = [REPO / "README.md", REPO / "ds_configs" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_doc_links_resolve(doc):
+    """Relative links (README into docs/, docs into benchmarks/ and tools/) point at files that exist."""
+    missing = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        path = link.split("#", 1)[0]
+        if path and not re.match(r"[a-z]+:", path) and not (doc.parent / path).exists():
+            missing.append(link)
+    assert not missing, f"{doc.relative_to(REPO)} links to missing files: {missing}"
 
 
 def test_fp16_config_resolves_to_fp16_only(capsys):
@@ -95,8 +137,9 @@ def test_recipe_header_memory_estimate_is_current(recipe, quick_start_model):
     args = shlex.split(command.group(1))[2:]
     if "model_name_or_path: outputs/tiny-llama" in recipe.read_text():
         args += ["--model", str(quick_start_model)]  # the quick start's output, stood in for
-    proc = subprocess.run([sys.executable, "tools/estimate_memory.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "tools/estimate_memory.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = re.search(r"peak per GPU: ([0-9.]+) GiB", proc.stdout).group(1)
     assert printed == stated.group(1), f"{recipe.name} says {stated.group(1)} GiB; the tool now says {printed}"
