@@ -60,7 +60,7 @@ def detect_format(requested: str, columns: list[str], text_column: str, name: st
 def ensure_chat_template(tok, log) -> None:
     if not getattr(tok, "chat_template", None):
         tok.chat_template = DEFAULT_CHAT_TEMPLATE
-        log("data: the tokenizer has no chat template; using the default ChatML-style template (see README)")
+        log("data: the tokenizer has no chat template; using the default ChatML-style template (see docs/data.md)")
 
 
 # ---- cleaning (text format) ------------------------------------------------------------------------
