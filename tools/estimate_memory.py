@@ -70,7 +70,9 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
             and cfg.fp16 is None:
         notes.append('precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
                      'would train in fp32); add ds_configs/bf16.json for bf16')
-    ds, _ = ds_config.resolve(raw, cfg, explicit, world, hidden, total_steps=1000)
+    resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
+    cfg = resolved.cfg
+    ds = ds_config.with_steps(resolved.ds, cfg, 1000)
     check_offload(ds)
     return cfg, config, ds, notes
 

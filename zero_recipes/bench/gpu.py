@@ -56,7 +56,8 @@ def predicted(files: tuple[str, ...]) -> int:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     cfg, explicit = parse_args(["--deepspeed", *files, *BF16, "--block_size", str(SEQ),
                                 "--per_device_train_batch_size", str(MICRO)])
-    ds, _ = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, 1, config.hidden_size, STEPS)
+    resolved = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, 1, config.hidden_size)
+    ds = ds_config.with_steps(resolved.ds, resolved.cfg, STEPS)
     return estimate(config, ds, Launch(1, 1, MICRO, SEQ)).per_gpu["peak_bytes"]
 
 

@@ -62,8 +62,10 @@ def main(argv: list[str]) -> int:
     distributed.init()
     distributed.quiet_deepspeed()
     model_config = modeling.load_model_config(cfg)
-    ds, _ = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world,
-                              modeling.hidden_size(model_config), STEPS)
+    resolved = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world,
+                                 modeling.hidden_size(model_config))
+    cfg = resolved.cfg
+    ds = ds_config.with_steps(resolved.ds, cfg, STEPS)
     from transformers.integrations import HfDeepSpeedConfig
 
     modeling.causal_lm_class(model_config)

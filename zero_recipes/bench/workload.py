@@ -62,7 +62,9 @@ def setup(argv: list[str]) -> Workload:
     elif cfg.model_name_or_path is None:
         model_config.vocab_size = max(model_config.vocab_size, len(tokenizer))
     raw = ds_config.load_fragments(cfg.deepspeed)
-    ds, _ = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config), cfg.max_steps)
+    resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
+    cfg = resolved.cfg
+    ds = ds_config.with_steps(resolved.ds, cfg, cfg.max_steps)
     return Workload(cfg, explicit, ds, raw, order, prepared, model_config, tokenizer, prepared.pad_id, rank, world, threads,
                     timing_out, int(window))
 
