@@ -10,8 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_recipes import shipped
-from zero_recipes import distributed
+from zero_recipes import distributed, shipped
 
 REPO = Path(__file__).resolve().parent.parent
 INJECT = REPO / "tests" / "inject"  # sitecustomize.py for the processes tests launch (conftest puts it on PYTHONPATH)
