@@ -30,8 +30,7 @@ import warnings
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import checkpoint, data, distributed, loop, memory, metrics
-from zero_recipes import model as modeling
+from zero_recipes import checkpoint, data, distributed, loop, memory, metrics, model as modeling
 from zero_recipes.config import ConfigError, help_text
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path

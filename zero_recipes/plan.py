@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed, ds_config
-from . import model as modeling
+from . import distributed, ds_config, model as modeling
 from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig, parse_args, parse_inline_or_file, parse_model_config
 
 
