@@ -54,8 +54,9 @@ def main(argv: list[str]) -> int:
     for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
         if not spec.name.startswith("builtin:"):
             data.describe(spec, cfg)
-    resume_request = checkpoint.check_output_dir(plan.output_dir, plan.signature, cfg.overwrite_output_dir,
-                                                 cfg.resume_from_checkpoint)
+    resume_request = checkpoint.check_output_dir(
+        plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
+    )
 
     threads = distributed.set_threads(local_world)
     distributed.init()
@@ -87,11 +88,17 @@ def main(argv: list[str]) -> int:
     step = checkpoint.restore(engine, resume, order, plan, rank, log) if resume else 0
 
     # ---- fit -----------------------------------------------------------------------------------------
-    log_file = metrics.MetricsLog(plan.output_dir / "metrics.jsonl", rank == 0,
-                                  resumed_at=step if resume else None, report_to=report_to,
-                                  run_name=cfg.run_name, config=plan.signature)
-    checkpointer = checkpoint.Checkpointer(plan.output_dir, rank, cfg.save_total_limit,
-                                           modeling.hf_files_writer(engine.module.config, tokenizer))
+    log_file = metrics.MetricsLog(
+        plan.output_dir / "metrics.jsonl",
+        rank == 0,
+        resumed_at=step if resume else None,
+        report_to=report_to,
+        run_name=cfg.run_name,
+        config=plan.signature,
+    )
+    checkpointer = checkpoint.Checkpointer(
+        plan.output_dir, rank, cfg.save_total_limit, modeling.hf_files_writer(engine.module.config, tokenizer)
+    )
     outcome = loop.fit(loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log), step)
     if not outcome.finished:
         log_file.close()
@@ -121,10 +128,14 @@ def build_model(plan: RunPlan, rank: int, log):
     model = modeling.build_model(cfg, model_config, load_dtype, rank)
     n_params = modeling.num_params(model)
     if plan.zero_stage == 3:
-        log(f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
-            "parameters")
-    log(f"model: {model_config.model_type}, {n_params / 1e6:.2f}M parameters, ZeRO stage "
-        f"{plan.zero_stage}, {plan.precision}, attention {cfg.attn_implementation}")
+        log(
+            f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
+            "parameters"
+        )
+    log(
+        f"model: {model_config.model_type}, {n_params / 1e6:.2f}M parameters, ZeRO stage "
+        f"{plan.zero_stage}, {plan.precision}, attention {cfg.attn_implementation}"
+    )
     return model
 
 
@@ -136,8 +147,10 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
     free = torch.cuda.get_device_properties(0).total_memory
     log(line)
     if estimate is not None and estimate.per_gpu["peak_bytes"] > free:
-        log(f"warning: the estimate exceeds this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
-            f"--model ... --table --gpu_memory {free / 2**30:.0f}GiB` for a config that fits")
+        log(
+            f"warning: the estimate exceeds this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
+            f"--model ... --table --gpu_memory {free / 2**30:.0f}GiB` for a config that fits"
+        )
 
 
 def verify_export(engine, plan: RunPlan, prepared, order, rank: int):
@@ -162,11 +175,17 @@ def dry_run(plan: RunPlan, log) -> int:
     log(json.dumps(ds, indent=2))
     for note in notes:
         log(f"note: {note}")
-    steps = str(cfg.max_steps) if cfg.max_steps > 0 else f"{cfg.num_train_epochs} epoch(s); count known once the data is prepared"
-    log(f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; world {plan.world}; ZeRO stage "
+    steps = (
+        str(cfg.max_steps)
+        if cfg.max_steps > 0
+        else f"{cfg.num_train_epochs} epoch(s); count known once the data is prepared"
+    )
+    log(
+        f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; world {plan.world}; ZeRO stage "
         f"{plan.zero_stage}; {plan.precision}; "
         f"{plan.global_batch} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
-        f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step")
+        f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
+    )
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0
 
@@ -188,9 +207,12 @@ if __name__ == "__main__":
     except BaseException as e:
         if "loss scale already at minimum" in str(e):  # DeepSpeed's fp16 loss scaler gives up
             if int(os.environ.get("RANK", 0)) == 0:
-                print("error: fp16 loss scale hit its minimum: the gradients keep overflowing. Use bf16 "
-                      "(ds_configs/bf16.json), lower --learning_rate, or lower min_loss_scale in the fp16 block",
-                      file=sys.stderr, flush=True)
+                print(
+                    "error: fp16 loss scale hit its minimum: the gradients keep overflowing. Use bf16 "
+                    "(ds_configs/bf16.json), lower --learning_rate, or lower min_loss_scale in the fp16 block",
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif line := distributed.lost_peer(e):  # every surviving rank says it: each node's log shows the cause
             print(f"\nerror: {line}", file=sys.stderr, flush=True)  # \n: after tqdm's bar
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from helpers import CONFIGS, FAST, INJECT, PRECISIONS, aio_available, launch
 
 
@@ -40,8 +41,19 @@ def trained(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{name}-{precision}")
             extra = ["--nvme_path", str(out / "nvme")] if "nvme" in name else []
             # a checkpoint at step 4 too, so resume tests can start from these runs' middle
-            runs[name, precision] = launch(FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision],
-                                                   "--verify_export", "--save_steps", "4", *extra], out / "run")
+            runs[name, precision] = launch(
+                FAST
+                + [
+                    "--deepspeed",
+                    *CONFIGS[name],
+                    *PRECISIONS[precision],
+                    "--verify_export",
+                    "--save_steps",
+                    "4",
+                    *extra,
+                ],
+                out / "run",
+            )
         return runs[name, precision]
 
     return get

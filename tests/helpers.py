@@ -20,10 +20,28 @@ def free_port() -> int:
     """A port from this pytest worker's own range (conftest.py), as train.py and the benchmarks pick them here."""
     return distributed.free_port(os.environ.get("ZERO_RECIPES_TEST_PORTS"))
 
+
 # Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
-FAST = ["--max_steps", "8", "--block_size", "64", "--per_device_train_batch_size", "4",
-        "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--learning_rate", "3e-3",
-        "--warmup_steps", "1", "--max_eval_batches", "4"]
+FAST = [
+    "--max_steps",
+    "8",
+    "--block_size",
+    "64",
+    "--per_device_train_batch_size",
+    "4",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "0",
+    "--save_steps",
+    "0",
+    "--learning_rate",
+    "3e-3",
+    "--warmup_steps",
+    "1",
+    "--max_eval_batches",
+    "4",
+]
 
 
 @dataclass
@@ -59,14 +77,28 @@ def remove_shm(port) -> None:
         f.unlink(missing_ok=True)
 
 
-def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "deepspeed",
-           timeout: int = 600, env: dict | None = None) -> Run:
+def launch(
+    args: list[str],
+    output_dir: Path,
+    nproc: int = 2,
+    launcher: str = "deepspeed",
+    timeout: int = 600,
+    env: dict | None = None,
+) -> Run:
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               "train.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            port,
+            "train.py",
+        ]
     elif launcher == "python":
         cmd = [sys.executable, "train.py"]
     else:
@@ -74,14 +106,21 @@ def launch(args: list[str], output_dir: Path, nproc: int = 2, launcher: str = "d
     full_env = dict(os.environ)
     full_env.pop("OMP_NUM_THREADS", None)  # as under the deepspeed launcher: train.py must set it
     full_env.update(env or {})
-    proc = subprocess.run(cmd + list(args) + ["--output_dir", str(output_dir)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd + list(args) + ["--output_dir", str(output_dir)],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Run(proc, Path(output_dir), port if launcher != "python" else "")
 
 
 # the shipped combinations the training tests run (all but zero3+offload_optimizer), and both precisions
-CONFIGS = shipped.select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all",
-                         "zero3+nvme")
+CONFIGS = shipped.select(
+    "zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all", "zero3+nvme"
+)
 PRECISIONS = shipped.PRECISIONS
 
 # max |logits(reloaded HF model) - logits(engine)|: fp32 is exact up to kernel order; bf16 exports the

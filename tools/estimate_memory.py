@@ -24,14 +24,22 @@ from zero_recipes import shipped
 from zero_recipes.config import ConfigError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-TABLE_CONFIGS = shipped.select("zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_optimizer",
-                               "zero3+offload_all")  # the table's columns, in order
+TABLE_CONFIGS = shipped.select(
+    "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_optimizer", "zero3+offload_all"
+)  # the table's columns, in order
 # What the table recommends: the first that fits. Lower stages communicate less; recomputation (gradient
 # checkpointing, ~1/3 more compute) costs less than moving the optimizer step to the CPU, and offloading
 # parameters too costs most.
-PREFERENCE = [(name, gc) for group in (("zero1", "zero2", "zero3"), ("zero2+offload_optimizer",
-                                                                    "zero3+offload_optimizer"), ("zero3+offload_all",))
-              for gc in (False, True) for name in group]
+PREFERENCE = [
+    (name, gc)
+    for group in (
+        ("zero1", "zero2", "zero3"),
+        ("zero2+offload_optimizer", "zero3+offload_optimizer"),
+        ("zero3+offload_all",),
+    )
+    for gc in (False, True)
+    for name in group
+]
 
 
 def gb(n: float) -> str:
@@ -62,14 +70,21 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     config = modeling.load_model_config(cfg)
     hidden = modeling.hidden_size(config)
     if not hidden:
-        raise ConfigError("the model config has no hidden_size; give a complete config.json (with model_type "
-                          "and hidden_size), a model directory or a hub id")
+        raise ConfigError(
+            "the model config has no hidden_size; give a complete config.json (with model_type "
+            "and hidden_size), a model directory or a hub id"
+        )
     raw = ds_config.load_fragments(cfg.deepspeed)
     notes = []
-    if all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16")) and cfg.bf16 is None \
-            and cfg.fp16 is None:
-        notes.append('precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
-                     'would train in fp32); add ds_configs/bf16.json for bf16')
+    if (
+        all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
+        and cfg.bf16 is None
+        and cfg.fp16 is None
+    ):
+        notes.append(
+            'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
+            "would train in fp32); add ds_configs/bf16.json for bf16"
+        )
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
@@ -83,11 +98,12 @@ def check_config_file(path: str) -> None:
         raise ConfigError(f"{path} does not exist; give a config.json, a model directory or a hub id")
     data = json.loads(p.read_text())
     if not any(k in data or k in data.get("text_config", {}) for k in ("hidden_size", "n_embd", "d_model")):
-        raise ConfigError(f"{path} has no hidden_size; a config.json must give the model's width (hidden_size, or "
-                          "n_embd for GPT-2) so the estimate is of your model, not of a default one")
+        raise ConfigError(
+            f"{path} has no hidden_size; a config.json must give the model's width (hidden_size, or "
+            "n_embd for GPT-2) so the estimate is of your model, not of a default one"
+        )
     if "model_type" not in data:
-        raise ConfigError(f"{path} has no model_type; add it (e.g. \"model_type\": \"llama\") so the architecture "
-                          "is known")
+        raise ConfigError(f'{path} has no model_type; add it (e.g. "model_type": "llama") so the architecture is known')
 
 
 def check_offload(ds: dict) -> None:
@@ -96,11 +112,15 @@ def check_offload(ds: dict) -> None:
     opt, par = offloads(ds)
     stage = zero_stage(ds)
     if par and stage != 3:
-        raise ConfigError(f"offload_param needs ZeRO-3, but the config is ZeRO-{stage}; use ds_configs/zero3.json "
-                          "with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2")
+        raise ConfigError(
+            f"offload_param needs ZeRO-3, but the config is ZeRO-{stage}; use ds_configs/zero3.json "
+            "with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2"
+        )
     if opt and stage == 0:
-        raise ConfigError("offload_optimizer needs ZeRO-1, 2 or 3, but the config is ZeRO-0; use "
-                          "ds_configs/zero2.json with ds_configs/offload_optimizer.json")
+        raise ConfigError(
+            "offload_optimizer needs ZeRO-1, 2 or 3, but the config is ZeRO-0; use "
+            "ds_configs/zero2.json with ds_configs/offload_optimizer.json"
+        )
 
 
 def one(args, gpu_memory):
@@ -108,8 +128,14 @@ def one(args, gpu_memory):
 
     world = args.num_gpus * args.num_nodes
     cfg, config, ds, notes = load(args, args.deepspeed, world)
-    launch = Launch(args.num_gpus, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size,
-                    cfg.gradient_checkpointing, cfg.attn_implementation or "sdpa")
+    launch = Launch(
+        args.num_gpus,
+        args.num_nodes,
+        cfg.per_device_train_batch_size,
+        cfg.block_size,
+        cfg.gradient_checkpointing,
+        cfg.attn_implementation or "sdpa",
+    )
     e = estimate(config, ds, launch, gpu_memory=gpu_memory)
     e.notes = notes
     return e, cfg, config
@@ -118,22 +144,30 @@ def one(args, gpu_memory):
 def print_one(e, cfg, args, gpu_memory) -> None:
     g, n = e.per_gpu, e.per_node
     off = ", ".join(f"{k} -> {v}" for k, v in e.offload.items() if v) or "none"
-    print(f"model: {e.num_params / 1e9:.3f}B parameters; ZeRO-{e.zero_stage}, {e.precision}, offload {off}; "
-          f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
-          f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}")
+    print(
+        f"model: {e.num_params / 1e9:.3f}B parameters; ZeRO-{e.zero_stage}, {e.precision}, offload {off}; "
+        f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
+        f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
+    )
     for note in e.notes:
         print(f"note: {note}")
     print(f"\n{'phase':18s}{'per GPU':>14s}{'states':>14s}{'buffers':>14s}{'activations':>14s}{'host/rank':>14s}")
     for name, t in e.phases.items():
         mark = "  <- peak" if name == g["peak_phase"] else ""
-        print(f"{name:18s}{gb(t['device_bytes']):>14s}{gb(t['model_states_bytes']):>14s}{gb(t['buffers_bytes']):>14s}"
-              f"{gb(t['activations_bytes']):>14s}{gb(t['host_bytes']):>14s}{mark}")
+        print(
+            f"{name:18s}{gb(t['device_bytes']):>14s}{gb(t['model_states_bytes']):>14s}{gb(t['buffers_bytes']):>14s}"
+            f"{gb(t['activations_bytes']):>14s}{gb(t['host_bytes']):>14s}{mark}"
+        )
     print(f"\npeak per GPU: {gb(g['peak_bytes'])} in {g['peak_phase']} (activations {e.activations_method})")
-    print(f"host per node: {gb(n['cpu_bytes'])} CPU RAM, of it pinned {gb(n['pinned_bytes'])}"
-          + (f"; NVMe {gb(n['nvme_bytes'])}" if n["nvme_bytes"] else ""))
+    print(
+        f"host per node: {gb(n['cpu_bytes'])} CPU RAM, of it pinned {gb(n['pinned_bytes'])}"
+        + (f"; NVMe {gb(n['nvme_bytes'])}" if n["nvme_bytes"] else "")
+    )
     if gpu_memory:
-        print(f"fits in {gb(gpu_memory)}: {'yes' if e.fits else 'NO'}"
-              + ("" if e.fits else "; try --table to see which config fits"))
+        print(
+            f"fits in {gb(gpu_memory)}: {'yes' if e.fits else 'NO'}"
+            + ("" if e.fits else "; try --table to see which config fits")
+        )
 
 
 def table(args, gpu_memory) -> dict:
@@ -150,8 +184,10 @@ def table(args, gpu_memory) -> dict:
 
     precision = ds_precision(ds)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # activations: 2 bytes in bf16 and fp16 alike
-    acts = {gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
-            for gc in (False, True)}
+    acts = {
+        gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
+        for gc in (False, True)
+    }
     rows, best = [], {}
     extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
     for n in GPU_COUNTS:
@@ -161,10 +197,23 @@ def table(args, gpu_memory) -> dict:
             for name, files in TABLE_CONFIGS.items():
                 _, _, ds_n, _ = load(args, [*files, *extra], world)
                 act = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * cfg.per_device_train_batch_size)
-                e = estimate(config, ds_n, Launch(n, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size,
-                                                  gc), shape, act, gpu_memory)
-                rows.append({"num_gpus": n, "config": name, "gradient_checkpointing": gc,
-                             "peak_bytes": e.per_gpu["peak_bytes"], "fits": e.fits})
+                e = estimate(
+                    config,
+                    ds_n,
+                    Launch(n, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size, gc),
+                    shape,
+                    act,
+                    gpu_memory,
+                )
+                rows.append(
+                    {
+                        "num_gpus": n,
+                        "config": name,
+                        "gradient_checkpointing": gc,
+                        "peak_bytes": e.per_gpu["peak_bytes"],
+                        "fits": e.fits,
+                    }
+                )
                 if e.fits:
                     fitting[name, gc] = (ds_n, e)
         pick = next((key for key in PREFERENCE if key in fitting), None)
@@ -174,33 +223,55 @@ def table(args, gpu_memory) -> dict:
             micro = cfg.per_device_train_batch_size  # the largest micro-batch that still fits, doubling
             while micro < 1024:
                 act2 = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * micro * 2)
-                if not estimate(config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape, act2,
-                                gpu_memory).fits:
+                if not estimate(
+                    config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape, act2, gpu_memory
+                ).fits:
                     break
                 micro *= 2
-            best[n] = {"config": name, "gradient_checkpointing": gc, "peak_bytes": e.per_gpu["peak_bytes"],
-                       "max_micro_batch_size": micro}
-    return {"num_params": shape.num_params, "precision": precision,
-            "seq_len": cfg.block_size, "micro_batch_size": cfg.per_device_train_batch_size, "gpu_memory": gpu_memory,
-            "rows": rows, "recommended": best, "notes": notes}
+            best[n] = {
+                "config": name,
+                "gradient_checkpointing": gc,
+                "peak_bytes": e.per_gpu["peak_bytes"],
+                "max_micro_batch_size": micro,
+            }
+    return {
+        "num_params": shape.num_params,
+        "precision": precision,
+        "seq_len": cfg.block_size,
+        "micro_batch_size": cfg.per_device_train_batch_size,
+        "gpu_memory": gpu_memory,
+        "rows": rows,
+        "recommended": best,
+        "notes": notes,
+    }
 
 
 def print_table(t: dict) -> None:
-    print(f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
-          f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])})")
+    print(
+        f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
+        f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])})"
+    )
     names = list(TABLE_CONFIGS)
     print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{n:>24s}" for n in names))
     for n in GPU_COUNTS:
         for gc in (False, True):
             cells = [r for r in t["rows"] if r["num_gpus"] == n and r["gradient_checkpointing"] == gc]
-            print(f"{n:>5d} {'on' if gc else 'off':>3s} " + " ".join(
-                f"{gb(r['peak_bytes']) + ('*' if r['fits'] else ' '):>24s}" for r in cells))
+            print(
+                f"{n:>5d} {'on' if gc else 'off':>3s} "
+                + " ".join(f"{gb(r['peak_bytes']) + ('*' if r['fits'] else ' '):>24s}" for r in cells)
+            )
     print()
     for n in GPU_COUNTS:
         b = t["recommended"].get(n)
-        print(f"{n:>3d} GPU(s): " + (f"{b['config']}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
-                                     f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
-                                     if b else "nothing fits"))
+        print(
+            f"{n:>3d} GPU(s): "
+            + (
+                f"{b['config']}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
+                f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
+                if b
+                else "nothing fits"
+            )
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -243,19 +314,34 @@ def main(argv: list[str]) -> int:
         out = e.as_json()
         if args.tokens:
             world = args.num_gpus * args.num_nodes
-            out["compute"] = training_compute(config, e.num_params, args.tokens, cfg.block_size, world, args.gpu,
-                                              e.precision, args.mfu, args.gpu_power)
+            out["compute"] = training_compute(
+                config,
+                e.num_params,
+                args.tokens,
+                cfg.block_size,
+                world,
+                args.gpu,
+                e.precision,
+                args.mfu,
+                args.gpu_power,
+            )
         if args.json:
             print(json.dumps(out, indent=2))
         else:
             print_one(e, cfg, args, gpu_memory)
             c = out.get("compute")
             if c:
-                print(f"compute: {c['total_flops']:.3e} FLOPs for {c['tokens']:.3g} tokens (6ND alone: "
-                      f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
-                      f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
-                      f"{c['gpu_hours']:,.0f} GPU-hours"
-                      + (f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU" if "energy_kwh" in c else ""))
+                print(
+                    f"compute: {c['total_flops']:.3e} FLOPs for {c['tokens']:.3g} tokens (6ND alone: "
+                    f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
+                    f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
+                    f"{c['gpu_hours']:,.0f} GPU-hours"
+                    + (
+                        f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU"
+                        if "energy_kwh" in c
+                        else ""
+                    )
+                )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

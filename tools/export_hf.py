@@ -28,8 +28,10 @@ def locate(path: Path) -> tuple[Path, str]:
     """(directory holding the tag dirs, tag), found as `--resume_from_checkpoint` finds it."""
     found = find_checkpoint(path)
     if found is None:
-        raise ConfigError(f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
-                          "or a checkpoints/step-N directory")
+        raise ConfigError(
+            f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
+            "or a checkpoints/step-N directory"
+        )
     return found
 
 
@@ -45,13 +47,17 @@ def check_complete(ckpt: Path) -> int:
     world = int(state.get("dp_world_size", 1))
     optim = sorted(ckpt.glob("*optim_states.pt"))
     if stage >= 1 and len(optim) != world:
-        raise ConfigError(f"{ckpt} is incomplete: {len(optim)} of {world} optimizer-state files (ZeRO-{stage}); "
-                          "the save did not finish. Export an earlier checkpoint")
+        raise ConfigError(
+            f"{ckpt} is incomplete: {len(optim)} of {world} optimizer-state files (ZeRO-{stage}); "
+            "the save did not finish. Export an earlier checkpoint"
+        )
     if stage == 3 and len(model_files) != world:
         raise ConfigError(f"{ckpt} is incomplete: {len(model_files)} of {world} model-state files (ZeRO-3)")
     if not (ckpt / HF_FILES / "config.json").is_file():
-        raise ConfigError(f"{ckpt} has no {HF_FILES}/config.json (written by train.py with each checkpoint); "
-                          "it was not saved by zero-recipes' train.py")
+        raise ConfigError(
+            f"{ckpt} has no {HF_FILES}/config.json (written by train.py with each checkpoint); "
+            "it was not saved by zero-recipes' train.py"
+        )
     return stage
 
 
@@ -76,8 +82,14 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str) -> 
         else:
             from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 
-            convert_zero_checkpoint_to_state_dict(str(base), str(tmp), dtype=DTYPES[dtype], max_shard_size=max_shard_size,
-                                                  safe_serialization=True, tag=tag)
+            convert_zero_checkpoint_to_state_dict(
+                str(base),
+                str(tmp),
+                dtype=DTYPES[dtype],
+                max_shard_size=max_shard_size,
+                safe_serialization=True,
+                tag=tag,
+            )
         for f in (ckpt / HF_FILES).iterdir():
             shutil.copy2(f, tmp / f.name)
         set_config_dtype(tmp, DTYPES[dtype])
@@ -110,7 +122,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {ckpt} -> {args.out_dir} ({args.dtype}); AutoModelForCausalLM.from_pretrained('{args.out_dir}') loads it")
+    print(
+        f"exported {ckpt} -> {args.out_dir} ({args.dtype}); AutoModelForCausalLM.from_pretrained('{args.out_dir}') loads it"
+    )
     return 0
 
 

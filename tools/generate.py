@@ -38,11 +38,15 @@ def check_model_dir(d: Path) -> None:
             raise InputError(str(e)) from None
         if found is not None:
             run = d.parent.parent if d.parent.name == "checkpoints" else d.parent if d.name == "checkpoints" else d
-            raise InputError(f"{d} holds DeepSpeed checkpoints but no exported model (a run stopped before its "
-                             f"export, or a checkpoint directory); export one with `python tools/export_hf.py {d} "
-                             f"{run}-hf`, then generate from {run}-hf")
-        raise InputError(f"{d} holds no HF model (config.json and weights); give a finished train.py --output_dir "
-                         "or a directory written by tools/export_hf.py")
+            raise InputError(
+                f"{d} holds DeepSpeed checkpoints but no exported model (a run stopped before its "
+                f"export, or a checkpoint directory); export one with `python tools/export_hf.py {d} "
+                f"{run}-hf`, then generate from {run}-hf"
+            )
+        raise InputError(
+            f"{d} holds no HF model (config.json and weights); give a finished train.py --output_dir "
+            "or a directory written by tools/export_hf.py"
+        )
     if not (d / "tokenizer_config.json").is_file() and not (d / "tokenizer.json").is_file():
         raise InputError(f"{d} has a model but no tokenizer; save the tokenizer there with tokenizer.save_pretrained")
 
@@ -76,8 +80,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     ap.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same command, the same text)")
-    ap.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text even if the "
-                    "tokenizer has a chat template")
+    ap.add_argument(
+        "--no_chat_template",
+        action="store_true",
+        help="feed the prompt as raw text even if the tokenizer has a chat template",
+    )
     ap.add_argument("--show_prompt", action="store_true", help="print the exact text fed to the model on stderr")
     args = ap.parse_args(argv)
     try:
@@ -104,9 +111,10 @@ def generate(args) -> str:
         dtype = "auto" if device == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as e:
-        raise InputError(f"cannot load the model in {args.output_dir}: {str(e).splitlines()[0]}; check that it is "
-                         "a complete HF model directory, or export the run's checkpoint again with tools/export_hf.py"
-                         ) from None
+        raise InputError(
+            f"cannot load the model in {args.output_dir}: {str(e).splitlines()[0]}; check that it is "
+            "a complete HF model directory, or export the run's checkpoint again with tools/export_hf.py"
+        ) from None
     model.to(device).eval()
     prompt, templated = render_prompt(tok, args.prompt, not args.no_chat_template)
     # a chat template writes its own BOS if it wants one; raw text gets the tokenizer's usual specials
@@ -117,15 +125,25 @@ def generate(args) -> str:
         how = "chat template" if templated else "raw text"
         print(f"prompt ({how}, {enc.input_ids.shape[1]} tokens):\n{prompt}\n--- end of prompt", file=sys.stderr)
     stop = [END_OF_TURN] if templated and END_OF_TURN in prompt else None
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    sampling = (
+        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+        if args.temperature > 0
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    )
     torch.manual_seed(args.seed)
     eos = stop_ids(tok, model) or None
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0] if eos else None
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                             stop_strings=stop, tokenizer=tok if stop else None, **sampling)
-    text = tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            stop_strings=stop,
+            tokenizer=tok if stop else None,
+            **sampling,
+        )
+    text = tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
     return text.split(END_OF_TURN)[0] if stop else text
 
 

@@ -48,8 +48,10 @@ def read_run(run_dir: Path) -> dict[str, dict[int, float]]:
             record = json.loads(line)
             step = int(record["step"])
         except (ValueError, KeyError, TypeError):
-            raise InputError(f"{path}:{n}: not a metrics record (JSON with a 'step'): {line[:60]!r}; delete or fix "
-                             "that line (a launch killed mid-write can leave half a line)") from None
+            raise InputError(
+                f"{path}:{n}: not a metrics record (JSON with a 'step'): {line[:60]!r}; delete or fix "
+                "that line (a launch killed mid-write can leave half a line)"
+            ) from None
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, {})[step] = float(value)
@@ -65,8 +67,11 @@ def labels_for(dirs: list[Path]) -> list[str]:
     depth = [1] * len(parts)
     while True:
         names = ["/".join(p[-k:]) for p, k in zip(parts, depth)]
-        clash = [i for i, n in enumerate(names) if depth[i] < len(parts[i]) - 1 and
-                 any(names[j] == n and parts[j] != parts[i] for j in range(len(parts)))]
+        clash = [
+            i
+            for i, n in enumerate(names)
+            if depth[i] < len(parts[i]) - 1 and any(names[j] == n and parts[j] != parts[i] for j in range(len(parts)))
+        ]
         if not clash:
             break
         for i in clash:
@@ -86,8 +91,11 @@ def chart(title, ylabel, runs, draws, y_style=None):
     if not drawn:
         plt.close(fig)
         return None
-    ax.set(title=f"{title}: " + (f"{len(drawn)} runs" if len(drawn) > 1 else drawn[0]), xlabel="optimizer step",
-           ylabel=ylabel)
+    ax.set(
+        title=f"{title}: " + (f"{len(drawn)} runs" if len(drawn) > 1 else drawn[0]),
+        xlabel="optimizer step",
+        ylabel=ylabel,
+    )
     ax.grid(True, alpha=0.3)
     if y_style:
         style_y(ax, y_style)
@@ -100,8 +108,16 @@ def line(key, suffix="", style="-", **kw):
     def draw(ax, label, series, colour):
         if key in series:  # a lone point gets a marker, or it would not show
             steps = sorted(series[key])
-            ax.plot(steps, [series[key][s] for s in steps], style, color=colour, label=label + suffix,
-                    **({"marker": "o"} if len(series[key]) == 1 else {}), **kw)
+            ax.plot(
+                steps,
+                [series[key][s] for s in steps],
+                style,
+                color=colour,
+                label=label + suffix,
+                **({"marker": "o"} if len(series[key]) == 1 else {}),
+                **kw,
+            )
+
     return draw
 
 
@@ -111,6 +127,7 @@ def memory(runs):  # colour = run, line style = field; styles go to the fields s
     def draw(ax, label, series, colour):
         for style, key in zip(["-", "--", ":"], logged):
             line(key, f": {MEMORY[key]}", style)(ax, label, series, colour)
+
     return draw
 
 
@@ -151,11 +168,21 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     specs = [  # file name, title, y label, what each run draws, y axis style
-        ("loss", "Training loss (eval loss as markers)", "loss (nats/token)",
-         [line("loss", " train"), line("eval_loss", " eval", "o--", markersize=5)], None),
+        (
+            "loss",
+            "Training loss (eval loss as markers)",
+            "loss (nats/token)",
+            [line("loss", " train"), line("eval_loss", " eval", "o--", markersize=5)],
+            None,
+        ),
         ("eval_loss", "Eval loss", "eval loss (nats/token)", [line("eval_loss", "", "o-")], "perplexity"),
-        ("eval_exact_match", "Eval exact match (SFT; greedy answer is exactly right)", "eval examples exactly right",
-         [line("eval_exact_match", "", "o-")], "percent"),
+        (
+            "eval_exact_match",
+            "Eval exact match (SFT; greedy answer is exactly right)",
+            "eval examples exactly right",
+            [line("eval_exact_match", "", "o-")],
+            "percent",
+        ),
         ("lr", "Learning rate", "learning rate", [line("lr")], "sci"),
         ("grad_norm", "Gradient norm (before clipping)", "global L2 norm (log scale)", [line("grad_norm")], "log"),
         ("tokens_per_sec", "Throughput, all ranks", "tokens/s", [line("tokens_per_sec")], "rate"),
@@ -173,13 +200,17 @@ def main(argv: list[str]) -> int:
             path = out / f"{name}.png"
             fig.savefig(path, dpi=110)
             ax = fig.axes[0]
-            summary[name] = {"path": str(path), "title": ax.get_title(),
-                             "series": [t.get_text() for t in ax.get_legend().get_texts()]}
+            summary[name] = {
+                "path": str(path),
+                "title": ax.get_title(),
+                "series": [t.get_text() for t in ax.get_legend().get_texts()],
+            }
             plt.close(fig)
             print(path)
     except OSError as e:
-        print(f"error: cannot write the plots to {out}: {e.strerror or e}; pass --out a writable folder",
-              file=sys.stderr)
+        print(
+            f"error: cannot write the plots to {out}: {e.strerror or e}; pass --out a writable folder", file=sys.stderr
+        )
         return 2
     if args.json:
         print(json.dumps(summary))

@@ -55,8 +55,10 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
     if not saved.is_file():
         if overwrite:
             return resume
-        raise ConfigError(f"output_dir {output_dir} is not empty and holds no zero-recipes run; choose another "
-                          "--output_dir or pass --overwrite_output_dir")
+        raise ConfigError(
+            f"output_dir {output_dir} is not empty and holds no zero-recipes run; choose another "
+            "--output_dir or pass --overwrite_output_dir"
+        )
     try:
         previous = json.loads(saved.read_text())
     except json.JSONDecodeError:
@@ -68,11 +70,12 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
         return resume or ("auto" if latest_tag(output_dir) else None)
     if resume is not None:
         return resume
-    changed = sorted(k for k in set(previous or {}) | set(signature)
-                     if (previous or {}).get(k) != signature.get(k))
-    raise ConfigError(f"output_dir {output_dir} holds a different run (changed: {', '.join(changed[:6])}); use "
-                      "another --output_dir, --overwrite_output_dir to start over, or --resume_from_checkpoint "
-                      "auto to continue it with the new settings")
+    changed = sorted(k for k in set(previous or {}) | set(signature) if (previous or {}).get(k) != signature.get(k))
+    raise ConfigError(
+        f"output_dir {output_dir} holds a different run (changed: {', '.join(changed[:6])}); use "
+        "another --output_dir, --overwrite_output_dir to start over, or --resume_from_checkpoint "
+        "auto to continue it with the new settings"
+    )
 
 
 def clear_previous_run(output_dir: Path) -> None:
@@ -112,8 +115,10 @@ def find_checkpoint(p: Path) -> Optional[tuple[Path, str]]:
             tag = latest.read_text().strip()
             if not (base / tag).is_dir():
                 have = ", ".join(sorted(x.name for x in base.glob("step-*"))) or "none"
-                raise ConfigError(f"{latest} names '{tag}', which is missing from {base}; pass an existing "
-                                  f"checkpoint directory: {have}")
+                raise ConfigError(
+                    f"{latest} names '{tag}', which is missing from {base}; pass an existing "
+                    f"checkpoint directory: {have}"
+                )
             return base, tag
     if p.is_dir() and any(p.glob("*model_states.pt")):
         return p.parent, p.name
@@ -130,8 +135,10 @@ def resolve_resume(output_dir: Path, request: Optional[str]) -> Optional[tuple[P
     found = find_checkpoint(Path(request))
     if found:
         return found
-    raise ConfigError(f"--resume_from_checkpoint {request}: no DeepSpeed checkpoint there; give 'auto', an "
-                      "output_dir, its checkpoints/ directory or a checkpoints/step-N directory")
+    raise ConfigError(
+        f"--resume_from_checkpoint {request}: no DeepSpeed checkpoint there; give 'auto', an "
+        "output_dir, its checkpoints/ directory or a checkpoints/step-N directory"
+    )
 
 
 def rng_state() -> dict:
@@ -155,8 +162,16 @@ UNIVERSAL_SUFFIX = "-universal"
 HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
 
 
-def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, keep: int,
-         rank_state: dict | None = None, hf_writer=None) -> Path:
+def save(
+    engine,
+    output_dir: Path,
+    step: int,
+    client_state: dict,
+    rank: int,
+    keep: int,
+    rank_state: dict | None = None,
+    hf_writer=None,
+) -> Path:
     """Save a checkpoint; DeepSpeed writes `latest` only after every rank's files are written."""
     import torch
 
@@ -174,8 +189,11 @@ def save(engine, output_dir: Path, step: int, client_state: dict, rank: int, kee
     # every rank's files exist, and atomically.
     if rank == 0:  # what a later resume compares against its own world size and stage
         (d / tag).mkdir(parents=True, exist_ok=True)
-        (d / tag / LAYOUT).write_text(json.dumps({"world": engine.dp_world_size, "step": step,
-                                                  "zero_stage": int(engine.zero_optimization_stage())}))
+        (d / tag / LAYOUT).write_text(
+            json.dumps(
+                {"world": engine.dp_world_size, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
+            )
+        )
     engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
     torch.distributed.barrier()
     if rank == 0:
@@ -202,10 +220,12 @@ def layout_change(where: tuple[Path, str], world: int, stage: int) -> Optional[d
         return None
     a, b = saved["zero_stage"], stage
     if a == 0 or b == 0 or (a == 3) != (b == 3):
-        raise ConfigError(f"cannot resume a ZeRO-{a} checkpoint as ZeRO-{b}: DeepSpeed's universal checkpoint changes "
-                          "the world size for ZeRO-1/2/3 and converts between ZeRO-1 and 2, nothing else. Resume "
-                          f"with ZeRO-{a}, or export it (tools/export_hf.py) and start from the export with "
-                          "--model_name_or_path")
+        raise ConfigError(
+            f"cannot resume a ZeRO-{a} checkpoint as ZeRO-{b}: DeepSpeed's universal checkpoint changes "
+            "the world size for ZeRO-1/2/3 and converts between ZeRO-1 and 2, nothing else. Resume "
+            f"with ZeRO-{a}, or export it (tools/export_hf.py) and start from the export with "
+            "--model_name_or_path"
+        )
     return saved
 
 
@@ -221,13 +241,26 @@ def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
     error = [None]
     if rank == 0 and not (out / "zero").is_dir():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(load_dir / tag), "--output_folder", str(tmp), "--inject_missing_state"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(load_dir / tag),
+                "--output_folder",
+                str(tmp),
+                "--inject_missing_state",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = f"converting {load_dir / tag} to a universal checkpoint failed: " + \
-                (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            error[0] = (
+                f"converting {load_dir / tag} to a universal checkpoint failed: "
+                + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            )
         else:
             tmp.replace(out)
     torch.distributed.broadcast_object_list(error, src=0)
@@ -236,8 +269,9 @@ def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
     return load_dir, out.name
 
 
-def data_position(saved_at: tuple[Path, str], rank_state: dict, layout_changed: bool, micro: int,
-                  world: int) -> Optional[dict]:
+def data_position(
+    saved_at: tuple[Path, str], rank_state: dict, layout_changed: bool, micro: int, world: int
+) -> Optional[dict]:
     """Where this rank's data order continues. On the same layout, its own saved position; on another world
     size, rank 0's position recounted: the same rows consumed, in this run's micro-batches x ranks (rounded
     down). saved_at is the original checkpoint, not its universal conversion (which has no rank files)."""
@@ -255,8 +289,9 @@ def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
     import torch
 
     load_dir, tag = where
-    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    path, client_state = engine.load_checkpoint(
+        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise ConfigError(f"could not load checkpoint {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_state_{rank}.pt"
@@ -265,7 +300,6 @@ def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
         own = torch.load(rng_file, weights_only=False)
         set_rng_state(own)
     return client_state or {}, own
-
 
 
 class Checkpointer:
@@ -277,8 +311,16 @@ class Checkpointer:
 
     def save(self, engine, step: int, rank_state: dict) -> Path:
         """Collective."""
-        return save(engine, self.output_dir, step, {"step": step}, self.rank, self.keep, rank_state=rank_state,
-                    hf_writer=self.hf_writer)
+        return save(
+            engine,
+            self.output_dir,
+            step,
+            {"step": step},
+            self.rank,
+            self.keep,
+            rank_state=rank_state,
+            hf_writer=self.hf_writer,
+        )
 
     def latest_tag(self) -> Optional[str]:
         return latest_tag(self.output_dir)
@@ -316,10 +358,14 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     if saved is None:
         return ResumePlan(where, where)
     if plan.cfg.streaming:
-        raise ConfigError(f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
-                          "position cannot move to another world size. Resume with the same number of ranks")
-    log(f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
-        f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint")
+        raise ConfigError(
+            f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+            "position cannot move to another world size. Resume with the same number of ranks"
+        )
+    log(
+        f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
+        f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint"
+    )
     return ResumePlan(where, to_universal(where, rank), saved)
 
 
@@ -327,8 +373,9 @@ def restore(engine, resume: ResumePlan, order, plan, rank: int, log) -> int:
     """Load the engine's states, this rank's RNG and the data order's position. Returns the step."""
     state, rank_state = load(engine, resume.load_from, rank)
     step = int(state.get("step", engine.global_steps))
-    position = data_position(resume.saved_at, rank_state, resume.saved_layout is not None,
-                             plan.cfg.per_device_train_batch_size, plan.world)
+    position = data_position(
+        resume.saved_at, rank_state, resume.saved_layout is not None, plan.cfg.per_device_train_batch_size, plan.world
+    )
     if position is not None:
         order.load_state_dict(position)
     log(f"resume: loaded {resume.load_from[0] / resume.load_from[1]} at step {step}")

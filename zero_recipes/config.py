@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .distributed import accelerate_launch_choices
-
 import yaml
+
+from .distributed import accelerate_launch_choices
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,10 +174,25 @@ class TrainConfig:
 
 # Fields that steer this launch only; they do not make a different run (see checkpoint.check_output_dir).
 # output_dir is among them so that a run directory can be moved or copied and still resume.
-RUN_CONTROL_FIELDS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "dry_run", "local_rank",
-                      "verify_export", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                      "preprocessing_num_workers", "cache_dir", "max_eval_batches", "eval_on_start", "torch_compile",
-                      "report_to", "run_name"}
+RUN_CONTROL_FIELDS = {
+    "output_dir",
+    "resume_from_checkpoint",
+    "overwrite_output_dir",
+    "dry_run",
+    "local_rank",
+    "verify_export",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "save_total_limit",
+    "preprocessing_num_workers",
+    "cache_dir",
+    "max_eval_batches",
+    "eval_on_start",
+    "torch_compile",
+    "report_to",
+    "run_name",
+}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -331,12 +346,15 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
     return cfg, set(values) - {"local_rank"}
 
 
-
 def validate(cfg: TrainConfig) -> None:
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("bf16 and fp16 are both on; choose one (--bf16 true --fp16 false, or the reverse)")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "block_size"):
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "block_size",
+    ):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.learning_rate <= 0:
@@ -344,8 +362,10 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 <= cfg.validation_split_percentage < 100:
         raise ConfigError(f"--validation_split_percentage must be in [0, 100), got {cfg.validation_split_percentage}")
     if cfg.lr_scheduler_type not in ("cosine", "linear", "constant_with_warmup", "constant"):
-        raise ConfigError(f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; "
-                          "use cosine, linear, constant_with_warmup or constant")
+        raise ConfigError(
+            f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; "
+            "use cosine, linear, constant_with_warmup or constant"
+        )
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
     if cfg.dataset_format not in DATASET_FORMATS:
@@ -394,8 +414,11 @@ def parse_model_config(value: Any) -> Optional[dict]:
 
 def help_text() -> str:
     docs = field_docs()
-    lines = ["usage: deepspeed train.py --deepspeed ds_configs/zero3.json [--recipe recipes/X.yaml] [--key value ...]",
-             "", "options (also valid as recipe keys):"]
+    lines = [
+        "usage: deepspeed train.py --deepspeed ds_configs/zero3.json [--recipe recipes/X.yaml] [--key value ...]",
+        "",
+        "options (also valid as recipe keys):",
+    ]
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         lines.append(f"  --{name} (default: {default!r})")

@@ -123,8 +123,9 @@ def quiet_deepspeed() -> None:
 
     from deepspeed.utils import logger
 
-    if not os.environ.get("ZERO_RECIPES_DEBUG") and not any(isinstance(f, _KeepWarningsAndOverflows)
-                                                             for f in logger.filters):
+    if not os.environ.get("ZERO_RECIPES_DEBUG") and not any(
+        isinstance(f, _KeepWarningsAndOverflows) for f in logger.filters
+    ):
         logger.setLevel(logging.INFO)
         logger.addFilter(_KeepWarningsAndOverflows())
 
@@ -174,8 +175,14 @@ def finish(code: int = 0) -> None:
 
 # What gloo and NCCL say when the other end of a collective is gone: a rank or a node died, or the network
 # between them failed. torch raises these as DistError subclasses or as plain RuntimeErrors.
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
-              "NCCL communicator was aborted", "remote process exited or there was a network error")
+_LOST_PEER = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
 
 
 def lost_peer(error: BaseException) -> str | None:
@@ -190,9 +197,11 @@ def lost_peer(error: BaseException) -> str | None:
     # gloo names the peer: "Read error [10.0.0.2]:41234: ..." or "Connection closed by peer [10.0.0.2]:41234"
     peer = re.search(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]", text)
     where = peer.group(1) if peer else ""
-    return (f"rank {os.environ.get('RANK', 0)} lost contact with another rank ({cause}{' from ' + where if where else ''}): "
-            "a rank or node died or the network between them failed. The first error is in that rank's log; "
-            "relaunch the same command to resume from the last checkpoint in output_dir")
+    return (
+        f"rank {os.environ.get('RANK', 0)} lost contact with another rank ({cause}{' from ' + where if where else ''}): "
+        "a rank or node died or the network between them failed. The first error is in that rank's log; "
+        "relaunch the same command to resume from the last checkpoint in output_dir"
+    )
 
 
 class StopRequest:

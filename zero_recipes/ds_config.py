@@ -119,8 +119,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int,
-            hidden_size: Optional[int]) -> Resolved:
+def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hidden_size: Optional[int]) -> Resolved:
     """Fill every "auto" the HF Trainer fills, except the scheduler's step counts, which wait for the
     dataset size (`with_steps`). Pure: `cfg` is not changed; the adopted config comes back in the result."""
     ds = copy.deepcopy(raw)
@@ -137,8 +136,11 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int,
     if isinstance(ds.get("zero_optimization"), dict):
         _resolve_zero(ds, ds["zero_optimization"], r, hidden_size)
     if r.conflicts:
-        raise ConfigError("the DeepSpeed config contradicts the recipe: " + "; ".join(r.conflicts)
-                          + " (set those keys to \"auto\" or change the recipe)")
+        raise ConfigError(
+            "the DeepSpeed config contradicts the recipe: "
+            + "; ".join(r.conflicts)
+            + ' (set those keys to "auto" or change the recipe)'
+        )
     return Resolved(ds, dataclasses.replace(cfg, **r.adopted), tuple(r.notes))
 
 
@@ -156,8 +158,9 @@ def with_steps(ds: dict, cfg: TrainConfig, total_steps: int) -> dict:
                 p[key] = warmup_steps(cfg, total_steps) if key == "warmup_num_steps" else total_steps
     left = find_auto(ds)
     if left:
-        raise ConfigError(f"DeepSpeed config key '{left}' is \"auto\" but zero-recipes does not know how to "
-                          "fill it; give it a value")
+        raise ConfigError(
+            f"DeepSpeed config key '{left}' is \"auto\" but zero-recipes does not know how to fill it; give it a value"
+        )
     return ds
 
 
@@ -166,7 +169,7 @@ def _resolve_precision(ds: dict, r: Resolver) -> None:
     for name in ("bf16", "fp16"):
         block = ds.setdefault(name, {})
         if not isinstance(block, dict):
-            raise ConfigError(f"DeepSpeed config '{name}' must be an object like {{\"enabled\": \"auto\"}}")
+            raise ConfigError(f'DeepSpeed config \'{name}\' must be an object like {{"enabled": "auto"}}')
         enabled = block.get("enabled", AUTO)
         mine = getattr(r, name)
         if enabled == AUTO:
@@ -181,10 +184,20 @@ def _resolve_precision(ds: dict, r: Resolver) -> None:
 
 def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
     """As HF: train_batch_size = micro x accumulation x world."""
-    r.match(ds, "train_micro_batch_size_per_gpu", r.per_device_train_batch_size, "per_device_train_batch_size",
-            "train_micro_batch_size_per_gpu")
-    r.match(ds, "gradient_accumulation_steps", r.gradient_accumulation_steps, "gradient_accumulation_steps",
-            "gradient_accumulation_steps")
+    r.match(
+        ds,
+        "train_micro_batch_size_per_gpu",
+        r.per_device_train_batch_size,
+        "per_device_train_batch_size",
+        "train_micro_batch_size_per_gpu",
+    )
+    r.match(
+        ds,
+        "gradient_accumulation_steps",
+        r.gradient_accumulation_steps,
+        "gradient_accumulation_steps",
+        "gradient_accumulation_steps",
+    )
     micro, gas = r.per_device_train_batch_size, r.gradient_accumulation_steps
     if isinstance(ds["train_micro_batch_size_per_gpu"], int):
         micro = ds["train_micro_batch_size_per_gpu"]
@@ -194,8 +207,10 @@ def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
     if tbs == AUTO:
         ds["train_batch_size"] = micro * gas * world_size
     elif tbs != micro * gas * world_size:
-        raise ConfigError(f"batch sizes do not add up: train_batch_size={tbs} but micro {micro} x accumulation "
-                          f"{gas} x world {world_size} = {micro * gas * world_size}; set train_batch_size to \"auto\"")
+        raise ConfigError(
+            f"batch sizes do not add up: train_batch_size={tbs} but micro {micro} x accumulation "
+            f'{gas} x world {world_size} = {micro * gas * world_size}; set train_batch_size to "auto"'
+        )
 
 
 def _resolve_optimizer(ds: dict, r: Resolver) -> None:
@@ -216,18 +231,31 @@ def _resolve_optimizer(ds: dict, r: Resolver) -> None:
 
 
 def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) -> None:
-    autos = [k for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-                         "stage3_param_persistence_threshold", "param_persistence_threshold") if z.get(k) == AUTO]
+    autos = [
+        k
+        for k in (
+            "reduce_bucket_size",
+            "stage3_prefetch_bucket_size",
+            "prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "param_persistence_threshold",
+        )
+        if z.get(k) == AUTO
+    ]
     if autos and not hidden_size:
-        raise ConfigError(f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
-                          "hidden_size; give them numeric values")
+        raise ConfigError(
+            f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
+            "hidden_size; give them numeric values"
+        )
     if hidden_size:
         h = hidden_size
-        for key, value in (("reduce_bucket_size", h * h),
-                           ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
-                           ("prefetch_bucket_size", int(0.9 * h * h)),
-                           ("stage3_param_persistence_threshold", 10 * h),
-                           ("param_persistence_threshold", 10 * h)):
+        for key, value in (
+            ("reduce_bucket_size", h * h),
+            ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+            ("prefetch_bucket_size", int(0.9 * h * h)),
+            ("stage3_param_persistence_threshold", 10 * h),
+            ("param_persistence_threshold", 10 * h),
+        ):
             if z.get(key) == AUTO:
                 z[key] = value
     for key in ("offload_optimizer", "offload_param"):
@@ -236,8 +264,9 @@ def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) ->
             if block.get("device") != "nvme":
                 del block["nvme_path"]
             elif not r.nvme_path:
-                raise ConfigError("the DeepSpeed config offloads to NVMe with nvme_path \"auto\"; "
-                                  "give --nvme_path /local/nvme/dir")
+                raise ConfigError(
+                    'the DeepSpeed config offloads to NVMe with nvme_path "auto"; give --nvme_path /local/nvme/dir'
+                )
             else:
                 block["nvme_path"] = r.nvme_path
                 Path(r.nvme_path).mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,9 @@ def make_optimizer(cfg: TrainConfig, model, ds: dict):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
-                             fused=torch.cuda.is_available())
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=torch.cuda.is_available()
+    )
 
 
 def make_scheduler(cfg: TrainConfig, ds: dict, total_steps: int):

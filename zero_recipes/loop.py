@@ -67,8 +67,15 @@ class NonFiniteGuard:
         return None if bad.item() >= self.NONE else int(bad.item())
 
 
-def train_step(engine, micro_batches: list[dict], window: metrics.LogWindow, guard: NonFiniteGuard, step: int,
-               count_label_tokens: bool, measure_grad_norm: bool):
+def train_step(
+    engine,
+    micro_batches: list[dict],
+    window: metrics.LogWindow,
+    guard: NonFiniteGuard,
+    step: int,
+    count_label_tokens: bool,
+    measure_grad_norm: bool,
+):
     """One optimizer step over its micro-batches. Returns the grad norm when asked to measure it (ZeRO-0 in
     fp32 runs without the DeepSpeed optimizer wrapper that records it), else None."""
     world, accumulation = torch.distributed.get_world_size(), len(micro_batches)
@@ -86,8 +93,9 @@ def train_step(engine, micro_batches: list[dict], window: metrics.LogWindow, gua
         loss = engine(**batch, **extra).loss
         engine.backward(loss)
         if measure_grad_norm and micro == accumulation - 1:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
-                                                       if p.grad is not None])
+            grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in engine.module.parameters() if p.grad is not None]
+            )
         engine.step()
         window.add_loss(loss)
         guard.observe(loss, step)
@@ -111,12 +119,10 @@ def fit(loop: Loop, step: int) -> Outcome:
     own_grad_norm = None
     while step < total:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
-        t = time.perf_counter()
-        micro_batches = [{k: v.to(engine.device, non_blocking=True) for k, v in loop.order.next_batch().items()}
-                         for _ in range(cfg.gradient_accumulation_steps)]
-        data_wait = time.perf_counter() - t
-        norm = train_step(engine, micro_batches, window, guard, step + 1, loop.prepared.sft,
-                          measure_grad_norm and logging_step)
+        micro_batches, data_wait = next_micro_batches(loop)
+        norm = train_step(
+            engine, micro_batches, window, guard, step + 1, loop.prepared.sft, measure_grad_norm and logging_step
+        )
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:
@@ -133,8 +139,9 @@ def fit(loop: Loop, step: int) -> Outcome:
             first = step - window.steps == start_step
             record = log_record(loop, window, step, own_grad_norm, time_to_first_step if first else None)
             losses.append(record["loss"])
-            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tokens_per_sec']:.0f}")
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
+            )
         if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == total:
             with window.paused():
                 run_eval(loop, step)
@@ -146,22 +153,39 @@ def fit(loop: Loop, step: int) -> Outcome:
             bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
         if preempted and step < total:
             bar.close()
-            loop.log(f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
-                     "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto")
+            loop.log(
+                f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
+                "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto"
+            )
             return Outcome(step, preempted=True)
     bar.close()
-    if step > start_step:
-        loop.log(f"train: {step - start_step} steps in {time.perf_counter() - run_start:.1f}s, "
-                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    else:
-        loop.log(f"train: already at step {step} of {total}; nothing left to train")
+    summarise(loop, start_step, step, time.perf_counter() - run_start, losses)
     return Outcome(step)
 
 
+def next_micro_batches(loop: Loop) -> tuple[list[dict], float]:
+    """One optimizer step's micro-batches on the device, and the seconds spent waiting for them."""
+    t = time.perf_counter()
+    micro_batches = [
+        {k: v.to(loop.engine.device, non_blocking=True) for k, v in loop.order.next_batch().items()}
+        for _ in range(loop.plan.cfg.gradient_accumulation_steps)
+    ]
+    return micro_batches, time.perf_counter() - t
+
+
+def summarise(loop: Loop, start_step: int, step: int, seconds: float, losses: list[float]) -> None:
+    if step > start_step:
+        loop.log(f"train: {step - start_step} steps in {seconds:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    else:
+        loop.log(f"train: already at step {step} of {loop.plan.total_steps}; nothing left to train")
+
+
 def stop_non_finite(loop: Loop, bad_step: int, step: int) -> Outcome:
-    loop.log(f"error: the loss became non-finite (NaN or inf) at step {bad_step}; stopping without saving a "
-             f"checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of fp16; the last "
-             f"good checkpoint is {loop.checkpointer.latest_tag() or 'none'}")
+    loop.log(
+        f"error: the loss became non-finite (NaN or inf) at step {bad_step}; stopping without saving a "
+        f"checkpoint. Lower --learning_rate, keep --max_grad_norm on, or use bf16 instead of fp16; the last "
+        f"good checkpoint is {loop.checkpointer.latest_tag() or 'none'}"
+    )
     return Outcome(step, exit_code=1)
 
 
@@ -170,23 +194,33 @@ def open_window(loop: Loop) -> metrics.LogWindow:
     plan, cfg = loop.plan, loop.plan.cfg
     peak, peak_source = metrics.device_peak_flops(plan.precision)
     flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
-    loop.log(f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
-             f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})")
+    loop.log(
+        f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})"
+    )
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    return metrics.LogWindow(loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps,
-                             flops_per_token, peak)
+    return metrics.LogWindow(
+        loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps, flops_per_token, peak
+    )
 
 
-def log_record(loop: Loop, window: metrics.LogWindow, step: int, own_grad_norm,
-               time_to_first_step: Optional[float]) -> dict:
+def log_record(
+    loop: Loop, window: metrics.LogWindow, step: int, own_grad_norm, time_to_first_step: Optional[float]
+) -> dict:
     """Collective: one metrics record for the window that ends at `step`, written to every tracker.
     `time_to_first_step` goes into the first record of a launch (None in the others)."""
     w = window.record()
     grad_norm = loop.engine.get_global_grad_norm()
     grad_norm = own_grad_norm if grad_norm is None else grad_norm
-    record = {"step": step, "epoch": round(loop.order.epoch_progress, 4), "loss": w.pop("loss"),
-              "lr": loop.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-              **w, **metrics.memory_stats()}
+    record = {
+        "step": step,
+        "epoch": round(loop.order.epoch_progress, 4),
+        "loss": w.pop("loss"),
+        "lr": loop.engine.get_lr()[0],
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        **w,
+        **metrics.memory_stats(),
+    }
     if time_to_first_step is not None:
         record["time_to_first_step"] = time_to_first_step
     loop.log_file.write(record)
@@ -209,14 +243,16 @@ def evaluate(engine, prepared, cfg, rank: int, world: int) -> dict:
     device = engine.device
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
     with torch.no_grad():
-        for batch, weight in data.eval_batches(prepared.eval, cfg.per_device_eval_batch_size, rank, world,
-                                               cfg.max_eval_batches, prepared.pad_id):
+        for batch, weight in data.eval_batches(
+            prepared.eval, cfg.per_device_eval_batch_size, rank, world, cfg.max_eval_batches, prepared.pad_id
+        ):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
             target = batch.pop("labels")[:, 1:]
             logits = engine(**batch, use_cache=False).logits[:, :-1].float()
             valid = target != -100
-            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none",
-                                                       ignore_index=-100)
+            losses = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), target, reduction="none", ignore_index=-100
+            )
             total[0] += (losses.sum(dim=1) * weight).sum()
             total[1] += (valid.sum(dim=1) * weight).sum()
             if prepared.exact_match:
@@ -242,5 +278,13 @@ def format_eval(ev: dict) -> str:
 def progress_bar(rank: int, total: int, initial: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=rank != 0, desc="train", unit="step", mininterval=1.0,
-                dynamic_ncols=True, file=sys.stderr)
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=rank != 0,
+        desc="train",
+        unit="step",
+        mininterval=1.0,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )

@@ -51,7 +51,15 @@ def model_flops_per_token(config, seq_len: int) -> float:
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attn = h * q_out + 2 * h * kv_out + q_out * h  # q, k, v, o projections
     gated = getattr(text, "hidden_act", "gelu") in ("silu", "swiglu") or getattr(text, "model_type", "") in (
-        "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "phi3",
+        "mixtral",
+    )
     mlp = (3 if gated else 2) * h * inter
     matmul_params = layers * (attn + mlp) + h * vocab  # + lm_head
     return 6 * matmul_params + 12 * layers * q_out * seq_len
@@ -63,7 +71,11 @@ def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: 
     from PEAK_FLOPS."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16 if device != "cpu" else torch.float32}[dtype_name]
+    dtype = {
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16 if device != "cpu" else torch.float32,
+    }[dtype_name]
     n = 1024 if device == "cpu" else 8192
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
@@ -88,7 +100,9 @@ def device_peak_flops(dtype_name: str) -> tuple[float, str]:
         peak = peak_flops_from_table(name, dtype_name)
         if peak:
             return peak, f"{name} datasheet dense {dtype_name}"
-        return measure_matmul_peak(dtype_name, device="cuda"), f"{name} not in the peak table: measured {dtype_name} matmul"
+        return measure_matmul_peak(
+            dtype_name, device="cuda"
+        ), f"{name} not in the peak table: measured {dtype_name} matmul"
     peak = measure_matmul_peak(dtype_name)
     return peak, f"measured {dtype_name} matmul, {torch.get_num_threads()} threads"
 
@@ -132,8 +146,9 @@ class LogWindow:
     `record`), their data wait and their wall time. Eval and checkpoint saves are not training
     throughput: time spent inside `paused()` is left out."""
 
-    def __init__(self, device, tokens_per_step_rank: int, losses_per_step: int, flops_per_token: float,
-                 peak_flops: float):
+    def __init__(
+        self, device, tokens_per_step_rank: int, losses_per_step: int, flops_per_token: float, peak_flops: float
+    ):
         import torch
 
         self.loss_sum = torch.zeros((), device=device)
@@ -169,8 +184,13 @@ class LogWindow:
         loss = self.loss_sum.item() / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
         tps = self.tokens_per_step_rank * self.steps / elapsed
-        out = {"loss": loss, "tokens_per_sec": tps * world, "tokens_per_sec_per_device": tps,
-               "mfu": mfu(tps, self.flops_per_token, self.peak_flops), "data_wait_frac": self.data_wait / elapsed}
+        out = {
+            "loss": loss,
+            "tokens_per_sec": tps * world,
+            "tokens_per_sec_per_device": tps,
+            "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
+            "data_wait_frac": self.data_wait / elapsed,
+        }
         self.loss_sum.zero_()
         self._restart()
         return out
@@ -181,12 +201,22 @@ class MetricsLog:
     same scalars to TensorBoard and W&B when asked. A resume from step N first drops the records after N,
     which the interrupted launch wrote and the resumed one writes again, so each step appears once."""
 
-    def __init__(self, path: Path, enabled: bool, resumed_at: int | None = None, report_to: tuple = (),
-                 run_name: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool,
+        resumed_at: int | None = None,
+        report_to: tuple = (),
+        run_name: str | None = None,
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         if enabled and resumed_at is not None and path.exists():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resumed_at]
+            keep = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resumed_at
+            ]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             tmp.replace(path)
@@ -197,8 +227,11 @@ class MetricsLog:
 
             # purge_step makes TensorBoard hide what the interrupted launch logged after the resume point,
             # as the jsonl trim above does
-            self.tb = SummaryWriter(str(path.parent / "tensorboard"), flush_secs=30,
-                                    purge_step=None if resumed_at is None else resumed_at + 1)
+            self.tb = SummaryWriter(
+                str(path.parent / "tensorboard"),
+                flush_secs=30,
+                purge_step=None if resumed_at is None else resumed_at + 1,
+            )
         if enabled and "wandb" in report_to:
             import wandb
 
@@ -206,9 +239,14 @@ class MetricsLog:
             id_file = path.parent / "wandb_run_id"
             run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
             id_file.write_text(run_id)
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "zero-recipes"), id=run_id,
-                                    name=run_name or path.parent.resolve().name, dir=str(path.parent),
-                                    resume="allow", config=config)
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "zero-recipes"),
+                id=run_id,
+                name=run_name or path.parent.resolve().name,
+                dir=str(path.parent),
+                resume="allow",
+                config=config,
+            )
         _OPEN.append(self)
 
     def write(self, record: dict) -> None:
@@ -218,8 +256,11 @@ class MetricsLog:
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
         # HF's tag names (train/loss, eval/loss), so dashboards built for the Trainer read these runs
-        scalars = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.tb:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, record["step"])

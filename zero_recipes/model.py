@@ -10,10 +10,19 @@ from typing import Optional
 
 from .config import ConfigError, TrainConfig, parse_model_config
 
-TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
-                  vocab_size=4096)
+TINY_LLAMA = dict(
+    model_type="llama",
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    vocab_size=4096,
+)
 """The embedded default: a 2.3M-parameter Llama (GQA, SwiGLU, RoPE) that trains in minutes on 2 CPU cores."""
 
 
@@ -23,8 +32,10 @@ def local_missing(name: str) -> None:
     if p.exists():
         return
     if Path(name) == Path(TrainConfig.output_dir):
-        raise ConfigError(f"model directory '{name}' does not exist; it is what the quick start leaves: run "
-                          "`deepspeed train.py --deepspeed ds_configs/zero3.json` first")
+        raise ConfigError(
+            f"model directory '{name}' does not exist; it is what the quick start leaves: run "
+            "`deepspeed train.py --deepspeed ds_configs/zero3.json` first"
+        )
     if name.startswith((".", "/", "~")) or (len(p.parts) > 1 and Path(p.parts[0]).is_dir()):
         raise ConfigError(f"model directory '{name}' does not exist; give an existing directory or a hub id")
 
@@ -55,8 +66,10 @@ def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
     text = config.get_text_config()
     max_pos = getattr(text, "max_position_embeddings", None)
     if max_pos and cfg.block_size > max_pos:
-        raise ConfigError(f"block_size {cfg.block_size} exceeds the model's max_position_embeddings {max_pos}; "
-                          f"use --block_size {max_pos} or less")
+        raise ConfigError(
+            f"block_size {cfg.block_size} exceeds the model's max_position_embeddings {max_pos}; "
+            f"use --block_size {max_pos} or less"
+        )
     if cfg.attn_implementation:
         config._attn_implementation = cfg.attn_implementation
     return config
@@ -110,14 +123,18 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
     cls = causal_lm_class(config)
     if cfg.model_name_or_path and cfg.model_config is None:
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, config=config, dtype=dtype,
-                                                         trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model_name_or_path, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+            )
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load model '{cfg.model_name_or_path}': {str(e).splitlines()[0]}") from None
     else:
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code) \
-            if cls is AutoModelForCausalLM else cls._from_config(config, dtype=dtype)
+        model = (
+            AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            if cls is AutoModelForCausalLM
+            else cls._from_config(config, dtype=dtype)
+        )
         seeded_reinit(model, cfg.seed, rank)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
@@ -148,6 +165,7 @@ def seeded_reinit(model, seed: int, rank: int) -> None:
                 continue
             if zero3:
                 import deepspeed
+
                 ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
             else:
                 ctx = nullcontext()
@@ -163,8 +181,10 @@ def seeded_reinit(model, seed: int, rank: int) -> None:
 
 def partition_numel(model) -> int:
     """Parameters this rank holds: its ZeRO-3 partitions (ds_tensor), or everything when not partitioned."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
-               for p in {id(p): p for p in model.parameters()}.values())
+    return sum(
+        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+        for p in {id(p): p for p in model.parameters()}.values()
+    )
 
 
 def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
@@ -198,6 +218,7 @@ def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
 
 def hf_files_writer(model_config, tokenizer):
     """What makes a weights file a model directory: config, generation config, tokenizer."""
+
     def write(out_dir: Path) -> None:
         from transformers import GenerationConfig
 

@@ -63,8 +63,10 @@ class RunPlan:
             if cfg.model_name_or_path is None and cfg.model_config is None:
                 model_config.vocab_size = len(tokenizer)  # the embedded model is sized to the embedded tokenizer
             elif len(tokenizer) > model_config.get_text_config().vocab_size:
-                raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                                  f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer")
+                raise ConfigError(
+                    f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                    f"{model_config.get_text_config().vocab_size}; use the model's own tokenizer"
+                )
             if cfg.model_name_or_path is None:  # random init: generate() must stop where the tokenizer ends text
                 modeling.use_tokenizer_special_ids(model_config, tokenizer)
         ds = ds_config.with_steps(self.ds, self.cfg, total_steps)

@@ -9,8 +9,13 @@ from helpers import REPO
 
 
 def test_data_benchmark_quick(tmp_path):
-    proc = subprocess.run([sys.executable, "tools/benchmark.py", "data", "--quick", "--out-dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark.py", "data", "--quick", "--out-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     [report] = list(tmp_path.glob("data-*.json"))
     assert report.with_suffix(".md").exists()
@@ -26,8 +31,13 @@ def test_data_benchmark_quick(tmp_path):
 def test_train_speed_benchmark_quick(tmp_path):
     """train.py, the HF Trainer and the bare DeepSpeed loop all train the same tiny workload through the
     launcher, and the report's ratios are the ratios of its medians."""
-    proc = subprocess.run([sys.executable, "tools/benchmark.py", "train", "--quick", "--out-dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark.py", "train", "--quick", "--out-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     [report] = list(tmp_path.glob("train-*.json"))
     m = json.loads(report.read_text())["models"]["tiny"]
@@ -42,13 +52,16 @@ def test_train_speed_benchmark_quick(tmp_path):
 
 def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
     """The GPU script cannot run here; it must say so in one line, and its memory predictions must be sane."""
-    proc = subprocess.run([sys.executable, "tools/benchmark.py", "gpu", "--out-dir", "/nonexistent"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark.py", "gpu", "--out-dir", "/nonexistent"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0]
     from zero_recipes.bench.gpu import CONFIGS, predicted
 
     pred = {name: predicted(files) for name, files in CONFIGS.items()}
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory
-
-

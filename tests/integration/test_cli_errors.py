@@ -3,14 +3,13 @@
 import subprocess
 import sys
 
-import pytest
-
 from helpers import REPO
 
 
 def run_train(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def one_error_line(proc) -> str:
@@ -43,7 +42,9 @@ def test_unknown_recipe_key(tmp_path):
 
 def test_batch_arithmetic_that_does_not_add_up(tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text('{"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}')
+    ds.write_text(
+        '{"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}'
+    )
     line = one_error_line(run_train("--deepspeed", str(ds), "--per_device_train_batch_size", "4", "--dry_run"))
     assert "train_batch_size=48" in line and "= 4" in line
 
@@ -68,8 +69,16 @@ def test_no_deepspeed_config():
 
 
 def test_missing_dataset_file(tmp_path):
-    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--dataset_name",
-                                    str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")))
+    line = one_error_line(
+        run_train(
+            "--deepspeed",
+            "ds_configs/zero2.json",
+            "--dataset_name",
+            str(tmp_path / "nope.jsonl"),
+            "--output_dir",
+            str(tmp_path / "out"),
+        )
+    )
     assert "does not exist" in line
 
 
@@ -85,11 +94,25 @@ def test_output_dir_with_foreign_files_is_refused_and_kept(tmp_path):
 def test_model_config_vocab_smaller_than_the_tokenizer(tmp_path):
     """A random-init architecture whose vocab cannot hold the tokenizer's ids fails before anything is
     written, not with an embedding index error mid-step."""
-    small = '{"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, ' \
-            '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
+    small = (
+        '{"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
+    )
     out = tmp_path / "run"
-    proc = run_train("--model_config", small, "--deepspeed", "ds_configs/zero2.json", "--max_steps", "1",
-                     "--block_size", "32", "--report_to", "none", "--output_dir", str(out))
+    proc = run_train(
+        "--model_config",
+        small,
+        "--deepspeed",
+        "ds_configs/zero2.json",
+        "--max_steps",
+        "1",
+        "--block_size",
+        "32",
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(out),
+    )
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]  # after the data's progress bars
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
     assert "tokenizer has 4096 tokens but the model's vocab_size is 100" in errors[0]

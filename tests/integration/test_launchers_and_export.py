@@ -59,25 +59,50 @@ def test_other_architecture_from_inline_model_config(tmp_path):
 
 
 def test_plain_python_is_a_world_of_one(tmp_path):
-    run = launch(FAST + ["--max_steps", "3", "--deepspeed", "ds_configs/zero2.json"], tmp_path / "one",
-                 launcher="python").check()
+    run = launch(
+        FAST + ["--max_steps", "3", "--deepspeed", "ds_configs/zero2.json"], tmp_path / "one", launcher="python"
+    ).check()
     assert "distributed: 1 rank(s)" in run.log and len(run.losses) == 3
     assert (run.output_dir / "model.safetensors").exists()
 
 
 HF_TRAINER_ZERO2 = {
     # The shape of the HF Trainer docs' ZeRO-2 example, unchanged: DeepSpeed builds optimizer and scheduler.
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                     "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "allgather_partitions": True,
-                          "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True,
-                          "reduce_bucket_size": "auto", "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "none"},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
 
 

@@ -68,14 +68,46 @@ def torchrun_on_nodes(nodes, args: list[str], output_dir) -> list[subprocess.Pop
     port = free_port()
     procs = []
     for i, (ns, dev, addr) in enumerate(nodes):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{nodes[0][2]}:{port}",
-               "--rdzv_id", f"zr-{port}", "--local_addr", addr, "--rdzv_conf", f"is_host={str(i == 0).lower()}",
-               "train.py", *args, "--output_dir", str(output_dir)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{nodes[0][2]}:{port}",
+            "--rdzv_id",
+            f"zr-{port}",
+            "--local_addr",
+            addr,
+            "--rdzv_conf",
+            f"is_host={str(i == 0).lower()}",
+            "train.py",
+            *args,
+            "--output_dir",
+            str(output_dir),
+        ]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": dev}
         env.pop("OMP_NUM_THREADS", None)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -103,8 +135,9 @@ def losses(output_dir) -> list[float]:
 def test_two_nodes_train_like_one_node_of_two_ranks(trained, tmp_path):
     ref = trained("zero2", "fp32").check()
     with two_nodes() as nodes:
-        results = finish(torchrun_on_nodes(nodes, FAST + ["--deepspeed", "ds_configs/zero2.json"], tmp_path / "run"),
-                         timeout=300)
+        results = finish(
+            torchrun_on_nodes(nodes, FAST + ["--deepspeed", "ds_configs/zero2.json"], tmp_path / "run"), timeout=300
+        )
     for code, log in results:
         assert code == 0, log[-4000:]
     assert "distributed: 2 rank(s)" in "".join(log for _, log in results)
@@ -141,13 +174,39 @@ def test_deepspeed_launcher_hostfile_no_ssh_with_include(trained, tmp_path):
     port = str(free_port())
     procs = []
     for node_rank in (0, 1):
-        cmd = ["deepspeed", "--hostfile", str(hostfile), "--include", "node-a:0@node-b:1", "--no_ssh",
-               "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port, "train.py",
-               *FAST, "--deepspeed", "ds_configs/zero2.json", "--output_dir", str(tmp_path / "run")]
+        cmd = [
+            "deepspeed",
+            "--hostfile",
+            str(hostfile),
+            "--include",
+            "node-a:0@node-b:1",
+            "--no_ssh",
+            "--node_rank",
+            str(node_rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "train.py",
+            *FAST,
+            "--deepspeed",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
         env = dict(os.environ)
         env.pop("OMP_NUM_THREADS", None)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     results = finish(procs, timeout=300)
     for code, log in results:
         assert code == 0, log[-4000:]
@@ -160,11 +219,30 @@ def test_accelerate_launch_with_our_deepspeed_json(trained, tmp_path):
     import json
 
     ref = trained("zero3", "fp32").check()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "tools/accelerate/deepspeed_zero3.yaml",
-           "--main_process_port", str(free_port()), "train.py", *FAST, "--verify_export", "--save_steps", "4",
-           "--output_dir", str(tmp_path / "run")]
-    [(code, log)] = finish([subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                             text=True, start_new_session=True)], timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "tools/accelerate/deepspeed_zero3.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "train.py",
+        *FAST,
+        "--verify_export",
+        "--save_steps",
+        "4",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
+    [(code, log)] = finish(
+        [
+            subprocess.Popen(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+        ],
+        timeout=300,
+    )
     assert code == 0, log[-4000:]
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3 and "distributed: 2 rank(s)" in log
@@ -189,11 +267,27 @@ def test_slurm_script_preemption_signal_reaches_train_py_through_torchrun(tmp_pa
     itself is not on this machine: the script is syntax-checked and its torchrun part runs for real."""
     assert subprocess.run(["bash", "-n", str(REPO / "tools/slurm/train.sbatch")]).returncode == 0
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           *slurm_torchrun_flags(), "train.py", *FAST, "--max_steps", "5000", "--deepspeed", "ds_configs/zero2.json",
-           "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *slurm_torchrun_flags(),
+        "train.py",
+        *FAST,
+        "--max_steps",
+        "5000",
+        "--deepspeed",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     deadline = time.time() + 180
     while len(losses(out)) < 3 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -203,5 +297,3 @@ def test_slurm_script_preemption_signal_reaches_train_py_through_torchrun(tmp_pa
     assert line, log[-4000:]
     step = int(line.split("(step ")[1].split(" ")[0])
     assert (out / "checkpoints" / f"step-{step}").is_dir() and 3 <= step < 5000
-
-

@@ -33,20 +33,38 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "run"
     # one thread: on a busy 2-core machine two threads for this tiny model take 3x longer (measured 23 s vs 8 s)
-    return launch(FAST + ["--eval_steps", "4", "--deepspeed", "ds_configs/zero2.json"], out, nproc=1,
-                  launcher="python", env={"OMP_NUM_THREADS": "1"}).check()
+    return launch(
+        FAST + ["--eval_steps", "4", "--deepspeed", "ds_configs/zero2.json"],
+        out,
+        nproc=1,
+        launcher="python",
+        env={"OMP_NUM_THREADS": "1"},
+    ).check()
 
 
 def resumed_run(path):
     """An SFT run on a GPU, its metrics.jsonl as an older train.py left it after a resume: launch 1 logged
     steps 1-6 and died, launch 2 resumed from the step-3 checkpoint and logged steps 4-8 again."""
+
     def record(step, loss):
-        return {"step": step, "epoch": step / 100, "loss": loss, "lr": 1e-3 * step / 8, "grad_norm": 2.0 / step,
-                "tokens_per_sec": 8000.0, "tokens_per_sec_per_device": 1000.0, "mfu": 0.4, "data_wait_frac": 0.01,
-                "mem_allocated_gb": 1.5, "mem_peak_gb": 2.5, "cpu_rss_gb": 3.0}
+        return {
+            "step": step,
+            "epoch": step / 100,
+            "loss": loss,
+            "lr": 1e-3 * step / 8,
+            "grad_norm": 2.0 / step,
+            "tokens_per_sec": 8000.0,
+            "tokens_per_sec_per_device": 1000.0,
+            "mfu": 0.4,
+            "data_wait_frac": 0.01,
+            "mem_allocated_gb": 1.5,
+            "mem_peak_gb": 2.5,
+            "cpu_rss_gb": 3.0,
+        }
 
     def evaluation(step, loss, exact):
         return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(loss), "eval_exact_match": exact}
+
     lines = [record(s, 9.0 - 0.1 * s) for s in range(1, 7)] + [evaluation(4, 8.7, 0.0)]
     lines += [record(s, 8.0 - 0.1 * s) for s in range(4, 9)] + [evaluation(8, 7.5, 0.25)]
     path.mkdir(parents=True)
@@ -55,8 +73,9 @@ def resumed_run(path):
 
 
 def tool(name, *args):
-    return subprocess.run([sys.executable, f"tools/{name}", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, f"tools/{name}", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def one_error_line(proc, *fragments) -> str:
@@ -87,8 +106,12 @@ def test_two_runs_share_one_chart_per_metric(run, tmp_path):
     assert summary["eval_exact_match"]["series"] == ["gpu/run"]  # the text run has no exact match
     assert summary["loss"]["title"].endswith(": 2 runs") and summary["eval_exact_match"]["title"].endswith(": gpu/run")
     assert "skipped" not in proc.stderr
-    assert summary["memory"]["series"] == [f"{real}: CPU RSS", "gpu/run: GPU max allocated", "gpu/run: GPU allocated",
-                                           "gpu/run: CPU RSS"]
+    assert summary["memory"]["series"] == [
+        f"{real}: CPU RSS",
+        "gpu/run: GPU max allocated",
+        "gpu/run: GPU allocated",
+        "gpu/run: CPU RSS",
+    ]
     # the resumed run: one point per step, the resumed launch's value where the steps were logged twice
     series = plot_metrics.read_run(other)
     assert series["loss"] == {**{s: 9.0 - 0.1 * s for s in (1, 2, 3)}, **{s: 8.0 - 0.1 * s for s in range(4, 9)}}
@@ -113,10 +136,12 @@ def test_plot_bad_input(tmp_path, capsys):
         f.write('{"step": 9, "loss": 7.1, "lr"\n')  # a launch killed mid-write
     (tmp_path / "afile").write_text("")
     one_error_line(tool("plot_metrics.py", tmp_path / "missing"), "is not a directory")
-    for args, fragments in [([tmp_path / "nometrics"], ["metrics.jsonl does not exist", "--output_dir"]),
-                            ([tmp_path / "empty"], ["holds no records"]),
-                            ([broken], ["metrics.jsonl:14:", "delete or fix that line"]),
-                            ([resumed_run(tmp_path / "ok"), "--out", tmp_path / "afile"], ["cannot write", "--out"])]:
+    for args, fragments in [
+        ([tmp_path / "nometrics"], ["metrics.jsonl does not exist", "--output_dir"]),
+        ([tmp_path / "empty"], ["holds no records"]),
+        ([broken], ["metrics.jsonl:14:", "delete or fix that line"]),
+        ([resumed_run(tmp_path / "ok"), "--out", tmp_path / "afile"], ["cannot write", "--out"]),
+    ]:
         assert plot_metrics.main([str(a) for a in args]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and all(f in err[0] for f in fragments), err
@@ -165,11 +190,15 @@ def test_generate_greedy_is_deterministic_and_uses_the_chat_template(run, tmp_pa
 def test_generate_bad_input(run, tmp_path):
     interrupted = tmp_path / "interrupted"
     shutil.copytree(run.output_dir / "checkpoints", interrupted / "checkpoints")  # stopped before its export
-    one_error_line(tool("generate.py", interrupted, "hi"), "no exported model",
-                   f"python tools/export_hf.py {interrupted} {interrupted}-hf")
+    one_error_line(
+        tool("generate.py", interrupted, "hi"),
+        "no exported model",
+        f"python tools/export_hf.py {interrupted} {interrupted}-hf",
+    )
     step = interrupted / "checkpoints" / "step-8"
-    one_error_line(tool("generate.py", step, "hi"), "no exported model",
-                   f"python tools/export_hf.py {step} {interrupted}-hf")
+    one_error_line(
+        tool("generate.py", step, "hi"), "no exported model", f"python tools/export_hf.py {step} {interrupted}-hf"
+    )
     one_error_line(tool("generate.py", tmp_path / "missing", "hi"), "is not a directory")
     (tmp_path / "empty").mkdir()
     one_error_line(tool("generate.py", tmp_path / "empty", "hi"), "holds no HF model")

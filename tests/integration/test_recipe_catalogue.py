@@ -40,8 +40,9 @@ ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml"}
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+    "llama": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 TINY["qwen2"] = TINY["mistral"] = TINY["llama"]
 BLOCK = {"text": 64, "sft": 128}
@@ -64,6 +65,7 @@ def shipped_config(name: str) -> Path:
 
 # ---- stand-ins -------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(shared_cache):
     from zero_recipes.config import TrainConfig
@@ -79,8 +81,12 @@ def tiny_config(name: str, tokenizer):
 
     fields = json.loads(shipped_config(name).read_text())
     model_type = fields.pop("model_type")
-    fields.update(TINY[model_type], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
+    fields.update(
+        TINY[model_type],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     if "head_dim" in fields:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     return AutoConfig.for_model(model_type, **fields)
@@ -101,8 +107,10 @@ def tiny_model(name: str, tokenizer_dir: Path, out: Path) -> list[str]:
     return ["--model_config", str(out / "config.json"), "--tokenizer_name_or_path", str(tokenizer_dir)]
 
 
-WORDS = ("the model reads a file and returns a list of the values it found in each line while the "
-         "parser keeps the order of keys so that a second call gives the same result for every input").split()
+WORDS = (
+    "the model reads a file and returns a list of the values it found in each line while the "
+    "parser keeps the order of keys so that a second call gives the same result for every input"
+).split()
 
 
 def sentence(i: int, n: int = 12) -> str:
@@ -112,8 +120,10 @@ def sentence(i: int, n: int = 12) -> str:
 def chat(i: int, system: bool = False) -> list[dict]:
     turns = [{"role": "system", "content": "You are a helpful assistant."}] if system else []
     for t in range(1 + i % 2):  # one or two exchanges
-        turns += [{"role": "user", "content": f"Question {i}.{t}: {sentence(i + t, 6)}"},
-                  {"role": "assistant", "content": sentence(i + t + 1, 8)}]
+        turns += [
+            {"role": "user", "content": f"Question {i}.{t}: {sentence(i + t, 6)}"},
+            {"role": "assistant", "content": sentence(i + t + 1, 8)},
+        ]
     return turns
 
 
@@ -124,17 +134,30 @@ def rows(kind: str, n: int, start: int = 0) -> list[dict]:
         if kind == "wikitext":  # one line per row: headings, paragraphs and the empty lines between them
             out.append({"text": [" = Section {} = \n".format(i), "", " " + sentence(i, 40) + " \n"][i % 3]})
         elif kind == "fineweb-edu":
-            out.append({"text": " ".join(sentence(i + k) for k in range(8)), "id": f"<urn:uuid:{i:08d}>",
-                        "dump": "CC-MAIN-2024-10", "url": f"https://example.org/{i}", "language": "en",
-                        "score": 3.1, "int_score": 3})
+            out.append(
+                {
+                    "text": " ".join(sentence(i + k) for k in range(8)),
+                    "id": f"<urn:uuid:{i:08d}>",
+                    "dump": "CC-MAIN-2024-10",
+                    "url": f"https://example.org/{i}",
+                    "language": "en",
+                    "score": 3.1,
+                    "int_score": 3,
+                }
+            )
         elif kind == "ultrachat":
             messages = chat(i)
             out.append({"prompt": messages[0]["content"], "prompt_id": f"{i:064x}", "messages": messages})
         elif kind == "smoltalk":
             out.append({"messages": chat(i, system=i % 3 == 0), "source": "smol-magpie-ultra"})
         elif kind == "alpaca":
-            out.append({"instruction": sentence(i, 6), "input": "" if i % 2 else sentence(i + 1, 5),
-                        "output": sentence(i + 2, 8)})
+            out.append(
+                {
+                    "instruction": sentence(i, 6),
+                    "input": "" if i % 2 else sentence(i + 1, 5),
+                    "output": sentence(i + 2, 8),
+                }
+            )
     return out
 
 
@@ -164,17 +187,27 @@ def tiny_dataset(name: str, out: Path) -> list[str]:
 
 # ---- the runs --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(CATALOGUE))
 def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM
 
     spec, recipe = CATALOGUE[name], recipe_of(name)
     text = recipe.get("dataset_format") == "text"
-    args = ["--recipe", f"recipes/{name}",
-            *tiny_model(name, tokenizer_dir, tmp_path / "model"),
-            *tiny_dataset(name, tmp_path / "data"),
-            "--max_steps", "2", "--block_size", str(BLOCK["text" if text else "sft"]),
-            "--logging_steps", "1", "--max_eval_batches", "2"]
+    args = [
+        "--recipe",
+        f"recipes/{name}",
+        *tiny_model(name, tokenizer_dir, tmp_path / "model"),
+        *tiny_dataset(name, tmp_path / "data"),
+        "--max_steps",
+        "2",
+        "--block_size",
+        str(BLOCK["text" if text else "sft"]),
+        "--logging_steps",
+        "1",
+        "--max_eval_batches",
+        "2",
+    ]
     launcher = "deepspeed" if spec["nproc"] > 1 else "python"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
 
@@ -191,12 +224,23 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["train_micro_batch_size_per_gpu"] == recipe["per_device_train_batch_size"]
     assert ds["gradient_accumulation_steps"] == recipe["gradient_accumulation_steps"]
-    assert ds["train_batch_size"] == (recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
-                                      * spec["nproc"])
+    assert ds["train_batch_size"] == (
+        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"]
+    )
     # and the rest of the run as shipped
     run_config = json.loads((run.output_dir / "run_config.json").read_text())
-    for key in ("gradient_checkpointing", "packing", "streaming", "dataset_format", "dataset_config_name",
-                "dataset_split", "eval_split", "learning_rate", "lr_scheduler_type", "attn_implementation"):
+    for key in (
+        "gradient_checkpointing",
+        "packing",
+        "streaming",
+        "dataset_format",
+        "dataset_config_name",
+        "dataset_split",
+        "eval_split",
+        "learning_rate",
+        "lr_scheduler_type",
+        "attn_implementation",
+    ):
         if key in recipe:
             assert run_config[key] == recipe[key], key
 

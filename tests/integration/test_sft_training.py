@@ -33,9 +33,26 @@ def pretrained(trained):
 
 
 def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(pretrained, tmp_path):
-    run = launch(["--recipe", "recipes/tiny-sft.yaml", "--model_name_or_path", str(pretrained), "--max_steps", "40",
-                  "--eval_steps", "40", "--max_eval_batches", "2", "--save_steps", "0", "--logging_steps", "10",
-                  "--verify_export"], tmp_path / "sft").check()
+    run = launch(
+        [
+            "--recipe",
+            "recipes/tiny-sft.yaml",
+            "--model_name_or_path",
+            str(pretrained),
+            "--max_steps",
+            "40",
+            "--eval_steps",
+            "40",
+            "--max_eval_batches",
+            "2",
+            "--save_steps",
+            "0",
+            "--logging_steps",
+            "10",
+            "--verify_export",
+        ],
+        tmp_path / "sft",
+    ).check()
     evals = [r for r in run.records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 40]  # eval_on_start gives the baseline
     assert all(0.0 <= r["eval_exact_match"] <= 1.0 for r in evals)
@@ -46,16 +63,20 @@ def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(pretrained, tmp_path
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(run.output_dir)
-    assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                     add_generation_prompt=True)
+    assert "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert [r for r in run.records if "export_max_abs_logit_diff" in r][0]["export_max_abs_logit_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["packed-sft", "streamed-text"])
 def test_resume_continues_with_the_uninterrupted_batches(kind, tmp_path):
     """zero1 fp32 with torch's AdamW resumes bitwise, so equal losses after the resume mean equal batches."""
-    extra = ["--dataset_name", "builtin:tiny-instructions", "--block_size", "128"] if kind == "packed-sft" else \
-        ["--streaming", "--eval_steps", "0", "--validation_split_percentage", "0"]
+    extra = (
+        ["--dataset_name", "builtin:tiny-instructions", "--block_size", "128"]
+        if kind == "packed-sft"
+        else ["--streaming", "--eval_steps", "0", "--validation_split_percentage", "0"]
+    )
     args = FAST + ["--deepspeed", "ds_configs/zero1.json", "--max_steps", "6", "--save_steps", "3", *extra]
     full = launch(args, tmp_path / "full").check()
     resumed_dir = tmp_path / "resumed"

@@ -19,8 +19,12 @@ def test_tensorboard_has_the_metrics_jsonl_scalars(trained):
     acc.Reload()
     train = [r for r in tracked_run.records if "loss" in r]
     evals = [r for r in tracked_run.records if "eval_loss" in r]
-    for tag, key, rows in (("train/loss", "loss", train), ("train/lr", "lr", train),
-                           ("train/tokens_per_sec", "tokens_per_sec", train), ("eval/loss", "eval_loss", evals)):
+    for tag, key, rows in (
+        ("train/loss", "loss", train),
+        ("train/lr", "lr", train),
+        ("train/tokens_per_sec", "tokens_per_sec", train),
+        ("eval/loss", "eval_loss", evals),
+    ):
         got = [(e.step, e.value) for e in acc.Scalars(tag)]
         assert [s for s, _ in got] == [r["step"] for r in rows], tag
         assert all(v == pytest.approx(r[key], rel=1e-6) for (_, v), r in zip(got, rows)), tag
@@ -28,9 +32,22 @@ def test_tensorboard_has_the_metrics_jsonl_scalars(trained):
 
 
 def test_wandb_offline_run_holds_the_final_metrics(tmp_path):
-    tracked_run = launch(FAST + ["--max_steps", "3", "--deepspeed", "ds_configs/zero2.json", "--report_to", "all",
-                                 "--run_name", "tracking-test"], tmp_path / "run", launcher="python",
-                         env={"WANDB_MODE": "offline", "WANDB_PROJECT": "zero-recipes-tests"}).check()
+    tracked_run = launch(
+        FAST
+        + [
+            "--max_steps",
+            "3",
+            "--deepspeed",
+            "ds_configs/zero2.json",
+            "--report_to",
+            "all",
+            "--run_name",
+            "tracking-test",
+        ],
+        tmp_path / "run",
+        launcher="python",
+        env={"WANDB_MODE": "offline", "WANDB_PROJECT": "zero-recipes-tests"},
+    ).check()
     runs = list((tracked_run.output_dir / "wandb").glob("offline-run-*"))
     run_id = (tracked_run.output_dir / "wandb_run_id").read_text().strip()
     assert len(runs) == 1 and runs[0].name.endswith(run_id) and list(runs[0].glob(f"run-{run_id}.wandb"))
@@ -44,8 +61,9 @@ def test_wandb_offline_run_holds_the_final_metrics(tmp_path):
 
 
 def test_unknown_tracker_is_one_line(tmp_path):
-    run = launch(FAST + ["--deepspeed", "ds_configs/zero2.json", "--report_to", "tensorbord"], tmp_path / "x",
-                 launcher="python")
+    run = launch(
+        FAST + ["--deepspeed", "ds_configs/zero2.json", "--report_to", "tensorbord"], tmp_path / "x", launcher="python"
+    )
     errors = [x for x in run.proc.stderr.splitlines() if x.startswith("error:")]
     assert run.proc.returncode == 2 and len(errors) == 1 and "did you mean 'tensorboard'" in errors[0]
     assert "Traceback" not in run.log and not (tmp_path / "x").exists()

@@ -62,8 +62,9 @@ def test_torch_compile_trains_with_the_same_losses(trained, tmp_path):
     from helpers import FAST, launch
 
     ref = trained("zero2", "fp32").check()
-    run = launch(FAST + ["--deepspeed", *CONFIGS["zero2"], "--torch_compile", "true", "--save_steps", "4"],
-                 tmp_path / "run").check()
+    run = launch(
+        FAST + ["--deepspeed", *CONFIGS["zero2"], "--torch_compile", "true", "--save_steps", "4"], tmp_path / "run"
+    ).check()
     assert "compiled with torch.compile" in run.log
     worst = max(abs(a - b) for a, b in zip(run.losses, ref.losses))
     assert len(run.losses) == 8 and worst <= FP32_TOL, (run.losses, ref.losses)

@@ -29,14 +29,19 @@ def losses(run):
 
 def resume(args, out, nproc, ga):
     launcher = "python" if nproc == 1 else "deepspeed"
-    return launch(args + ["--gradient_accumulation_steps", str(ga), "--resume_from_checkpoint", "auto"], out,
-                  nproc=nproc, launcher=launcher).check()
+    return launch(
+        args + ["--gradient_accumulation_steps", str(ga), "--resume_from_checkpoint", "auto"],
+        out,
+        nproc=nproc,
+        launcher=launcher,
+    ).check()
 
 
-@pytest.mark.parametrize("saved,resumed", [("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "zero3"),
-                                           ("zero1", "zero2"), ("zero2", "zero1")],
-                         ids=["zero1 2->1 ranks", "zero2 2->1 ranks", "zero3 2->1 ranks",
-                              "zero1->zero2 2 ranks", "zero2->zero1 2 ranks"])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "zero3"), ("zero1", "zero2"), ("zero2", "zero1")],
+    ids=["zero1 2->1 ranks", "zero2 2->1 ranks", "zero3 2->1 ranks", "zero1->zero2 2 ranks", "zero2->zero1 2 ranks"],
+)
 def test_resume_from_two_ranks_on_another_world_or_stage(saved, resumed, trained, tmp_path):
     full = trained(saved, "fp32").check()
     out = at_step_4(full.output_dir, tmp_path / "run")
@@ -57,15 +62,19 @@ def one_rank_runs(tmp_path_factory):
     def get(name):
         if name not in runs:
             args = FAST + ["--deepspeed", *CONFIGS[name], "--save_steps", "4", "--gradient_accumulation_steps", "2"]
-            runs[name] = launch(args, tmp_path_factory.mktemp(f"one-rank-{name}") / "run", nproc=1,
-                                launcher="python").check()
+            runs[name] = launch(
+                args, tmp_path_factory.mktemp(f"one-rank-{name}") / "run", nproc=1, launcher="python"
+            ).check()
         return runs[name]
 
     return get
 
 
-@pytest.mark.parametrize("saved,resumed", [("zero2", "zero2"), ("zero2", "zero1"), ("zero3", "zero3")],
-                         ids=["zero2 1->2 ranks", "zero2 1 rank->zero1 2 ranks", "zero3 1->2 ranks"])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [("zero2", "zero2"), ("zero2", "zero1"), ("zero3", "zero3")],
+    ids=["zero2 1->2 ranks", "zero2 1 rank->zero1 2 ranks", "zero3 1->2 ranks"],
+)
 def test_resume_a_one_rank_checkpoint_on_two_ranks(saved, resumed, one_rank_runs, tmp_path):
     full = one_rank_runs(saved)
     out = at_step_4(full.output_dir, tmp_path / "run")

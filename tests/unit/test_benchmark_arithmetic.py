@@ -10,9 +10,15 @@ from zero_recipes.bench.settings import PARITY_TOL, VARIANTS, summarise
 def test_export_benchmark_samples_the_memory_a_child_allocates():
     """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
     must read as about 300 MB more than one that allocates nothing."""
+
     def child(nbytes):
-        return peak_memory([sys.executable, "-c", f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * "
-                            f"len(b[::4096]); time.sleep(0.5)"])
+        return peak_memory(
+            [
+                sys.executable,
+                "-c",
+                f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * len(b[::4096]); time.sleep(0.5)",
+            ]
+        )
 
     idle, busy = child(0), child(300_000_000)
     grew = busy["RssAnon"] - idle["RssAnon"]
@@ -28,8 +34,10 @@ def test_settings_benchmark_arithmetic():
     overlap, z3_variant = names[names.index(shipped2) + 1], names[names.index(shipped3) + 1]
     runs = {n: [{"losses": [8.0, 7.0, 6.0], "tokens_per_sec": [1.0, 100.0, 100.0]}] for n in names}
     runs[overlap] = [{"losses": [8.0, 7.0, 6.5], "tokens_per_sec": [1.0, 150.0, 250.0]}]
-    runs[shipped3] = [{"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 50.0, 50.0]},
-                      {"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 70.0, 70.0]}]
+    runs[shipped3] = [
+        {"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 50.0, 50.0]},
+        {"losses": [9.0, 7.0, 6.0], "tokens_per_sec": [1.0, 70.0, 70.0]},
+    ]
     out = summarise(runs, skip=1)
     assert out[overlap]["tokens_per_sec"] == 200.0 and out[overlap]["vs_shipped"] == 2.0  # warm-up step left out
     assert out[overlap]["max_abs_loss_delta"] == 0.5 and not out[overlap]["loss_parity"]
@@ -37,5 +45,3 @@ def test_settings_benchmark_arithmetic():
     assert out[shipped3]["tokens_per_sec"] == 60.0 and out[shipped3]["windows"] == 4
     assert out[z3_variant]["vs_shipped"] == 100.0 / 60.0  # ZeRO-3 variants compare with zero3.json, not zero2.json
     assert out[z3_variant]["max_abs_loss_delta"] == 1.0 > PARITY_TOL
-
-

@@ -19,13 +19,16 @@ def test_flags_override_recipe_and_defaults(tmp_path):
     assert "weight_decay" not in explicit
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--gradient_checkpointing"], True),
-    (["--gradient_checkpointing", "true"], True),
-    (["--gradient_checkpointing", "false"], False),
-    (["--gradient_checkpointing=False"], False),
-    ([], False),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--gradient_checkpointing"], True),
+        (["--gradient_checkpointing", "true"], True),
+        (["--gradient_checkpointing", "false"], False),
+        (["--gradient_checkpointing=False"], False),
+        ([], False),
+    ],
+)
 def test_booleans_as_hf_argument_parser(argv, expected):
     cfg, _ = parse_args(argv + DS)
     assert cfg.gradient_checkpointing is expected

@@ -61,13 +61,17 @@ def test_every_local_format_and_source_kind_gives_the_same_rows(tmp_path, tok):
     (repo / "data").mkdir(parents=True)
     pd.DataFrame({"text": TEXTS}).to_parquet(repo / "data" / "main.parquet")
     pd.DataFrame({"text": ["unused"] * 5}).to_parquet(repo / "data" / "other.parquet")
-    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: data/main.parquet\n"
-                                    "- config_name: other\n  data_files:\n  - split: train\n    path: data/other.parquet\n---\n")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: data/main.parquet\n"
+        "- config_name: other\n  data_files:\n  - split: train\n    path: data/other.parquet\n---\n"
+    )
     results = {}
     for kind, path in files.items():
         p = prep(tmp_path, tok, dataset_name=str(path), block_size=16, validation_split_percentage=10)
         results[kind] = (rows_of(p.train), rows_of(p.eval))
-    p = prep(tmp_path, tok, dataset_name=str(repo), dataset_config_name="main", block_size=16, validation_split_percentage=10)
+    p = prep(
+        tmp_path, tok, dataset_name=str(repo), dataset_config_name="main", block_size=16, validation_split_percentage=10
+    )
     results["hub layout, config main"] = (rows_of(p.train), rows_of(p.eval))
     ref = results["jsonl"]
     for kind, got in results.items():
@@ -138,25 +142,39 @@ def test_cache_key_changes_with_every_data_option_and_nothing_else(tmp_path, tok
         cfg = replace(base, **{options.PER_DATASET.get(name, name): new})
         assert data.DataOptions.from_config(cfg, data.dataset_specs(cfg)[0]) == with_value(new), name
         assert key_of(cfg) != ref, name
-    for unrelated in ({"learning_rate": 1e-4}, {"max_steps": 7}, {"per_device_train_batch_size": 3},
-                      {"preprocessing_num_workers": 1}, {"streaming": True}):
+    for unrelated in (
+        {"learning_rate": 1e-4},
+        {"max_steps": 7},
+        {"per_device_train_batch_size": 3},
+        {"preprocessing_num_workers": 1},
+        {"streaming": True},
+    ):
         assert key_of(replace(base, **unrelated)) == ref, unrelated
     assert pipeline.cache_key(replace(spec, weight=0.5), source, opts, tok) == ref  # a mixture weight
     # a mixture entry's own format and text column win over the run's
     entry = replace(spec, format="text", text_column="body")
-    assert data.DataOptions.from_config(base, entry).tokenize == replace(opts.tokenize, format="text",
-                                                                        text_column="body")
+    assert data.DataOptions.from_config(base, entry).tokenize == replace(
+        opts.tokenize, format="text", text_column="body"
+    )
 
 
 def test_format_detection_says_what_it_found(tmp_path, tok):
-    cases = {"messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-             "prompt_completion": {"prompt": "2+2=", "completion": " 4"},
-             "alpaca": {"instruction": "Add", "input": "2 and 2", "output": "4"},
-             "text": {"text": "plain"}}
+    cases = {
+        "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        "prompt_completion": {"prompt": "2+2=", "completion": " 4"},
+        "alpaca": {"instruction": "Add", "input": "2 and 2", "output": "4"},
+        "text": {"text": "plain"},
+    }
     for fmt, row in cases.items():
         logs = []
-        p = prep(tmp_path, tok, logs.append, dataset_name=str(write_jsonl(tmp_path / f"{fmt}.jsonl", [row] * 4)),
-                 block_size=8 if fmt == "text" else 256, validation_split_percentage=0)
+        p = prep(
+            tmp_path,
+            tok,
+            logs.append,
+            dataset_name=str(write_jsonl(tmp_path / f"{fmt}.jsonl", [row] * 4)),
+            block_size=8 if fmt == "text" else 256,
+            validation_split_percentage=0,
+        )
         assert p.formats == [fmt]
         assert any(f"detected format '{fmt}'" in m for m in logs), logs
 
@@ -166,35 +184,64 @@ def batch_of(p, i=0):
 
 
 def test_prompt_completion_and_alpaca_train_only_on_the_answer(tmp_path, tok):
-    p = prep(tmp_path, tok, dataset_name=str(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Question: two plus two?",
-                                                                                    "completion": " Answer: four"}])),
-             validation_split_percentage=0, packing=False)
+    p = prep(
+        tmp_path,
+        tok,
+        dataset_name=str(
+            write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Question: two plus two?", "completion": " Answer: four"}])
+        ),
+        validation_split_percentage=0,
+        packing=False,
+    )
     b = batch_of(p)
     assert labels_text(tok, b["input_ids"][0].tolist(), b["labels"][0].tolist()) == " Answer: four<|endoftext|>"
     assert tok.decode(b["input_ids"][0]) == "Question: two plus two? Answer: four<|endoftext|>"
-    rows = [{"instruction": "Name a colour.", "input": "", "output": "Blue."},
-            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}]
-    p = prep(tmp_path, tok, dataset_name=str(write_jsonl(tmp_path / "al.jsonl", rows)), validation_split_percentage=0,
-             packing=False)
+    rows = [
+        {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    ]
+    p = prep(
+        tmp_path,
+        tok,
+        dataset_name=str(write_jsonl(tmp_path / "al.jsonl", rows)),
+        validation_split_percentage=0,
+        packing=False,
+    )
     texts = {tok.decode(batch_of(p, i)["input_ids"][0]): batch_of(p, i) for i in range(2)}
     with_input = next(b for t, b in texts.items() if "### Input:\n2 and 3" in t)
     assert labels_text(tok, with_input["input_ids"][0].tolist(), with_input["labels"][0].tolist()) == "5<|endoftext|>"
     assert any("### Input" not in t and "Blue." in t for t in texts)
     # train_on_prompt: every token but the first (which nothing precedes) is a label
-    p = prep(tmp_path, tok, dataset_name=str(tmp_path / "pc.jsonl"), validation_split_percentage=0, packing=False,
-             train_on_prompt=True)
+    p = prep(
+        tmp_path,
+        tok,
+        dataset_name=str(tmp_path / "pc.jsonl"),
+        validation_split_percentage=0,
+        packing=False,
+        train_on_prompt=True,
+    )
     b = batch_of(p)
     assert (b["labels"][0, 1:] == b["input_ids"][0, 1:]).all() and b["labels"][0, 0] == -100
 
 
 def test_multi_turn_chat_trains_every_assistant_turn_and_nothing_else(tmp_path, tok):
-    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say A."},
-            {"role": "assistant", "content": "A"}, {"role": "user", "content": "Say B."},
-            {"role": "assistant", "content": "B"}]
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say A."},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "Say B."},
+        {"role": "assistant", "content": "B"},
+    ]
     logs = []
     tok = data.load_tokenizer(TrainConfig())  # fresh: earlier tests gave the shared one the default template
-    p = prep(tmp_path, tok, logs.append, dataset_name=str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": conv}])),
-             validation_split_percentage=0, packing=False)
+    p = prep(
+        tmp_path,
+        tok,
+        logs.append,
+        dataset_name=str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": conv}])),
+        validation_split_percentage=0,
+        packing=False,
+    )
     assert any("default ChatML-style template" in m for m in logs)
     b = batch_of(p)
     ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
@@ -202,10 +249,20 @@ def test_multi_turn_chat_trains_every_assistant_turn_and_nothing_else(tmp_path, 
     assert labels_text(tok, ids, labels) == "A<|im_end|>\nB<|im_end|>\n<|endoftext|>"
     # a tokenizer with its own template is used as it is
     tok2 = data.load_tokenizer(TrainConfig())
-    tok2.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
-                         "{% if add_generation_prompt %}[assistant] {% endif %}"
-    p = data.prepare(TrainConfig(dataset_name=str(tmp_path / "chat.jsonl"), validation_split_percentage=0,
-                                 packing=False, cache_dir=str(tmp_path / "cache")), tok2, quiet)
+    tok2.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    p = data.prepare(
+        TrainConfig(
+            dataset_name=str(tmp_path / "chat.jsonl"),
+            validation_split_percentage=0,
+            packing=False,
+            cache_dir=str(tmp_path / "cache"),
+        ),
+        tok2,
+        quiet,
+    )
     b = batch_of(p)
     ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
     # byte-level BPE merges the template's space into the answer's first token; a token that overlaps
@@ -214,12 +271,28 @@ def test_multi_turn_chat_trains_every_assistant_turn_and_nothing_else(tmp_path, 
 
 
 def test_cleaning_steps_report_what_they_removed(tmp_path, tok):
-    docs = ["<p>Hello <b>world</b> &amp; friends</p>", "spaced    out\n\n\n\ntext  ", "dup text here", "dup text here",
-            "x", "A normal document with enough words in it."]
+    docs = [
+        "<p>Hello <b>world</b> &amp; friends</p>",
+        "spaced    out\n\n\n\ntext  ",
+        "dup text here",
+        "dup text here",
+        "x",
+        "A normal document with enough words in it.",
+    ]
     path = write_jsonl(tmp_path / "noisy.jsonl", [{"text": t} for t in docs])
     logs = []
-    p = prep(tmp_path, tok, logs.append, dataset_name=str(path), block_size=4, validation_split_percentage=0,
-             strip_html=True, normalize_whitespace=True, dedupe=True, min_document_tokens=2)
+    p = prep(
+        tmp_path,
+        tok,
+        logs.append,
+        dataset_name=str(path),
+        block_size=4,
+        validation_split_percentage=0,
+        strip_html=True,
+        normalize_whitespace=True,
+        dedupe=True,
+        min_document_tokens=2,
+    )
     line = next(m for m in logs if "documents" in m and "cached at" in m)
     assert "6 documents" in line
     assert "cleaning html: -" in line and "cleaning whitespace: -" in line
@@ -238,15 +311,22 @@ def test_mixture_draws_each_dataset_by_weight(tmp_path, tok):
     assert abs(shares[0] - 0.25) < 0.01 and abs(shares[1] - 0.75) < 0.01
     assert p.formats == ["prompt_completion", "text"]
     # a batch mixing SFT rows and text windows: padding of short rows is masked out
-    batch = data.collate([p.train.row(int(i)) for i in np.flatnonzero(p.train.refs[:, 0] == 0)[:2]] +
-                         [p.train.row(int(np.flatnonzero(p.train.refs[:, 0] == 1)[0]))], p.pad_id)
+    batch = data.collate(
+        [p.train.row(int(i)) for i in np.flatnonzero(p.train.refs[:, 0] == 0)[:2]]
+        + [p.train.row(int(np.flatnonzero(p.train.refs[:, 0] == 1)[0]))],
+        p.pad_id,
+    )
     assert "attention_mask" in batch and batch["attention_mask"][2].all()
 
 
 def test_eval_comes_from_its_own_split(tmp_path, tok):
     saved = tmp_path / "dd"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS}),
-                          "validation": datasets.Dataset.from_dict({"text": TEXTS[:10]})}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": TEXTS}),
+            "validation": datasets.Dataset.from_dict({"text": TEXTS[:10]}),
+        }
+    ).save_to_disk(str(saved))
     p = prep(tmp_path, tok, dataset_name=str(saved), eval_split="validation", block_size=8)
     n_eval_tokens = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in TEXTS[:10])
     assert len(p.eval) == n_eval_tokens // 8

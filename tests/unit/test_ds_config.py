@@ -28,20 +28,50 @@ def test_fragments_merge_left_to_right():
 
 
 def test_autos_resolved_like_hf_trainer():
-    cfg, explicit = cfg_for("--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "5",
-                            "--max_grad_norm", "0.5", "--learning_rate", "1e-4", "--weight_decay", "0.01",
-                            "--adam_beta2", "0.999", "--adam_epsilon", "1e-6", "--bf16", "--warmup_ratio", "0.1")
+    cfg, explicit = cfg_for(
+        "--per_device_train_batch_size",
+        "3",
+        "--gradient_accumulation_steps",
+        "5",
+        "--max_grad_norm",
+        "0.5",
+        "--learning_rate",
+        "1e-4",
+        "--weight_decay",
+        "0.01",
+        "--adam_beta2",
+        "0.999",
+        "--adam_epsilon",
+        "1e-6",
+        "--bf16",
+        "--warmup_ratio",
+        "0.1",
+    )
     raw = load_fragments(["ds_configs/zero3.json"])
-    raw["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
-    raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    raw["optimizer"] = {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    }
+    raw["scheduler"] = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    }
     ds, _, _ = resolve_all(raw, cfg, explicit, world_size=4, hidden_size=100, total_steps=200)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 5
     assert ds["train_batch_size"] == 3 * 5 * 4
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01}
-    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 1e-4, "warmup_num_steps": 20,
-                                         "total_num_steps": 200}
+    assert ds["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 1e-4,
+        "warmup_num_steps": 20,
+        "total_num_steps": 200,
+    }
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     z = ds["zero_optimization"]
     assert z["reduce_bucket_size"] == 100 * 100
@@ -76,8 +106,9 @@ def test_batch_arithmetic_that_does_not_add_up():
 
 def test_precision_from_fragment_and_conflict():
     cfg, explicit = cfg_for()
-    ds, _, adopted = resolve_all(load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1,
-                                 64, 10)
+    ds, _, adopted = resolve_all(
+        load_fragments(["ds_configs/zero2.json", "ds_configs/fp16.json"]), cfg, explicit, 1, 64, 10
+    )
     assert ds["fp16"]["enabled"] is True and adopted.fp16 is True and cfg.fp16 is None
     cfg, explicit = cfg_for("--bf16")
     with pytest.raises(ConfigError, match="fp16.enabled=True but fp16=False|bf16.enabled=False but bf16=True"):

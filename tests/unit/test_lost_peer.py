@@ -14,12 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 
 import pytest
 
-from helpers import FAST, REPO, free_port
+from helpers import REPO, free_port
 
 
 def sh(*cmd: str) -> None:
@@ -66,14 +65,46 @@ def torchrun_on_nodes(nodes, args: list[str], output_dir) -> list[subprocess.Pop
     port = free_port()
     procs = []
     for i, (ns, dev, addr) in enumerate(nodes):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{nodes[0][2]}:{port}",
-               "--rdzv_id", f"zr-{port}", "--local_addr", addr, "--rdzv_conf", f"is_host={str(i == 0).lower()}",
-               "train.py", *args, "--output_dir", str(output_dir)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{nodes[0][2]}:{port}",
+            "--rdzv_id",
+            f"zr-{port}",
+            "--local_addr",
+            addr,
+            "--rdzv_conf",
+            f"is_host={str(i == 0).lower()}",
+            "train.py",
+            *args,
+            "--output_dir",
+            str(output_dir),
+        ]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": dev}
         env.pop("OMP_NUM_THREADS", None)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -98,13 +129,21 @@ def losses(output_dir) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
-@pytest.mark.parametrize("raw,named", [
-    ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:32465: Connection reset by "
-     "peer. This is typically caused by a remote worker hanging", "Connection reset by peer from 10.1.2.3"),
-    ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:599] Connection closed by peer [10.1.2.3]:22813",
-     "Connection closed by peer from 10.1.2.3"),
-    ("NCCL communicator was aborted on rank 3.", "NCCL communicator was aborted"),
-])
+@pytest.mark.parametrize(
+    "raw,named",
+    [
+        (
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:32465: Connection reset by "
+            "peer. This is typically caused by a remote worker hanging",
+            "Connection reset by peer from 10.1.2.3",
+        ),
+        (
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:599] Connection closed by peer [10.1.2.3]:22813",
+            "Connection closed by peer from 10.1.2.3",
+        ),
+        ("NCCL communicator was aborted on rank 3.", "NCCL communicator was aborted"),
+    ],
+)
 def test_lost_peer_line_names_what_gloo_and_nccl_said(raw, named):
     """Both shapes of gloo's peer-loss message seen from a killed node (CI met the second), and NCCL's."""
     from zero_recipes.distributed import lost_peer
@@ -112,5 +151,3 @@ def test_lost_peer_line_names_what_gloo_and_nccl_said(raw, named):
     line = lost_peer(RuntimeError(raw))
     assert line.startswith("rank ") and f"({named})" in line and "relaunch the same command" in line
     assert lost_peer(RuntimeError("CUDA out of memory")) is None and lost_peer(ValueError("bad")) is None
-
-

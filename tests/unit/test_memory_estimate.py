@@ -7,8 +7,14 @@ import torch
 
 from zero_recipes.memory import activation_bytes, parse_memory
 
-SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 688, "vocab_size": 8000}
+SMALL = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 688,
+    "vocab_size": 8000,
+}
 # the estimate may be over by up to 10 % and under by up to 5 % (the target)
 OVER, UNDER = 0.10, 0.05
 
@@ -35,15 +41,19 @@ def measured_fwd_bwd(config, micro, seq, dtype, gc) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     live = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]"):
+    for _, n in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
         live += n
         peak = max(peak, live)
     return peak
 
 
-@pytest.mark.parametrize("dtype,gc,attn", [(torch.bfloat16, False, "sdpa"), (torch.bfloat16, True, "sdpa"),
-                                           (torch.float32, False, "eager")], ids=["bf16", "bf16-gc", "fp32-eager"])
+@pytest.mark.parametrize(
+    "dtype,gc,attn",
+    [(torch.bfloat16, False, "sdpa"), (torch.bfloat16, True, "sdpa"), (torch.float32, False, "eager")],
+    ids=["bf16", "bf16-gc", "fp32-eager"],
+)
 def test_activations_match_a_real_forward_backward(dtype, gc, attn):
     config = llama(attn_implementation=attn)
     predicted = activation_bytes(config, 2, 256, dtype, gc, attn)
@@ -64,5 +74,3 @@ def test_activation_terms_move_the_right_way():
 def test_parse_memory():
     assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("24GB") == 24 * 10**9
     assert parse_memory("512 mib") == 512 * 2**20
-
-

@@ -10,8 +10,15 @@ from zero_recipes import metrics
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_flops_per_token_matches_flop_counter(kv_heads):
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+    )
     config._attn_implementation = "eager"  # CPU sdpa kernels are not in FlopCounterMode's table
     model = LlamaForCausalLM(config)
     batch, seq = 2, 128

@@ -50,8 +50,14 @@ def test_collate_restarts_positions_and_masks_segment_starts():
 def tiny_model(model_type, attn):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              max_position_embeddings=64)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     if model_type == "gpt2":
         kw = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     if model_type == "qwen2":
@@ -60,7 +66,9 @@ def tiny_model(model_type, attn):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), attn_implementation=attn).eval()
 
 
-@pytest.mark.parametrize("model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gpt2", "sdpa")])
+@pytest.mark.parametrize(
+    "model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gpt2", "sdpa")]
+)
 def test_a_packed_example_has_its_unpacked_loss(model_type, attn):
     model = tiny_model(model_type, attn)
     rng = np.random.default_rng(1)
@@ -81,7 +89,7 @@ def test_a_packed_example_has_its_unpacked_loss(model_type, attn):
         alone = data.collate([[(ids, mask)]], pad_id=0)
         l1, v1 = per_example_loss(alone)
         # the packed row's predictions for this example are positions at .. at+n-2 (shifted by one)
-        lp, vp = losses[0, at: at + len(ids) - 1], valid[0, at: at + len(ids) - 1]
+        lp, vp = losses[0, at : at + len(ids) - 1], valid[0, at : at + len(ids) - 1]
         assert torch.equal(vp, v1[0])
         assert abs(lp[vp].mean().item() - l1[0][v1[0]].mean().item()) < PACKED_LOSS_TOL
         at += len(ids)
@@ -94,14 +102,25 @@ def test_a_packed_example_has_its_unpacked_loss(model_type, attn):
 def test_packing_utilisation_on_skewed_sft_data(tmp_path, tok):
     rng = np.random.default_rng(0)
     words = rng.lognormal(2.5, 1.0, 1500).astype(int) + 1
-    rows = [{"prompt": f"Q{i}: " + "ask " * int(rng.integers(1, 8)), "completion": " ans" * min(int(n), 150)}
-            for i, n in enumerate(words)]
+    rows = [
+        {"prompt": f"Q{i}: " + "ask " * int(rng.integers(1, 8)), "completion": " ans" * min(int(n), 150)}
+        for i, n in enumerate(words)
+    ]
     path = tmp_path / "skewed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     util = {}
     for pack in (True, False):
-        p = data.prepare(TrainConfig(dataset_name=str(path), block_size=256, packing=pack, validation_split_percentage=0,
-                                     cache_dir=str(tmp_path / "c")), tok, lambda *_: None)
+        p = data.prepare(
+            TrainConfig(
+                dataset_name=str(path),
+                block_size=256,
+                packing=pack,
+                validation_split_percentage=0,
+                cache_dir=str(tmp_path / "c"),
+            ),
+            tok,
+            lambda *_: None,
+        )
         order = data.BatchOrder(p.train, 8, 0, 1, 0, p.pad_id)
         util[pack] = data.utilisation(p.train, [order.next_indices() for _ in range(order.per_rank)])
     assert util[True] >= 0.95 and util[False] < 0.8, util
@@ -131,8 +150,14 @@ def test_streaming_reads_the_same_stream_and_resumes_mid_document(tmp_path, tok)
     texts = [f"Streamed document {i}: " + "lorem ipsum " * (i % 17 + 1) for i in range(300)]
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    kw = dict(dataset_name=str(path), block_size=32, per_device_train_batch_size=4, validation_split_percentage=0,
-              max_steps=10, cache_dir=str(tmp_path / "c"))
+    kw = dict(
+        dataset_name=str(path),
+        block_size=32,
+        per_device_train_batch_size=4,
+        validation_split_percentage=0,
+        max_steps=10,
+        cache_dir=str(tmp_path / "c"),
+    )
     prepared = data.prepare(TrainConfig(**kw), tok, lambda *_: None)
     stream = prepare_stream(TrainConfig(**kw, streaming=True), tok, 0, 1, lambda *_: None).train
     expected = [np.concatenate([t for t, _ in prepared.train.row(i)]) for i in range(12)]
@@ -159,8 +184,15 @@ def test_streaming_sft_packs_whole_examples_in_order(tmp_path, tok):
     rows = [{"prompt": f"Q{i}?", "completion": " answer" * (i % 9 + 1)} for i in range(200)]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = TrainConfig(dataset_name=str(path), block_size=64, per_device_train_batch_size=2, max_steps=5,
-                      validation_split_percentage=0, cache_dir=str(tmp_path / "c"), streaming=True)
+    cfg = TrainConfig(
+        dataset_name=str(path),
+        block_size=64,
+        per_device_train_batch_size=2,
+        max_steps=5,
+        validation_split_percentage=0,
+        cache_dir=str(tmp_path / "c"),
+        streaming=True,
+    )
     stream = prepare_stream(cfg, tok, 0, 1, lambda *_: None).train
     b = stream.next_batch()
     pos = b["position_ids"][0]

@@ -20,13 +20,19 @@ def test_plan_adopts_the_deepspeed_files_values_and_completes_once():
 
 def test_scheduler_steps_are_filled_when_the_plan_completes(tmp_path):
     sched = tmp_path / "sched.json"
-    sched.write_text('{"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", '
-                     '"total_num_steps": "auto", "warmup_max_lr": "auto"}}}')
+    sched.write_text(
+        '{"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", '
+        '"total_num_steps": "auto", "warmup_max_lr": "auto"}}}'
+    )
     plan = RunPlan.from_args(ZERO3 + [str(sched), "--max_steps", "40", "--warmup_steps", "4"])
     assert plan.ds["scheduler"]["params"]["total_num_steps"] == "auto"
     done = plan.complete(40)
-    assert done.ds["scheduler"]["params"] == {"warmup_num_steps": 4, "total_num_steps": 40, "warmup_max_lr": 2e-3,
-                                              "warmup_min_lr": 0}
+    assert done.ds["scheduler"]["params"] == {
+        "warmup_num_steps": 4,
+        "total_num_steps": 40,
+        "warmup_max_lr": 2e-3,
+        "warmup_min_lr": 0,
+    }
 
 
 def test_signature_ignores_launch_controls_and_records_the_files_as_given():

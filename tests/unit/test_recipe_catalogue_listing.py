@@ -11,15 +11,12 @@ checkpointing, packing, streaming, micro-batch, accumulation, optimizer and sche
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
-from helpers import REPO, launch
+from helpers import REPO
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher).
@@ -40,8 +37,9 @@ ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml"}
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+    "llama": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 TINY["qwen2"] = TINY["mistral"] = TINY["llama"]
 BLOCK = {"text": 64, "sft": 128}
@@ -65,5 +63,3 @@ def shipped_config(name: str) -> Path:
 def test_every_recipe_is_in_the_catalogue_test():
     shipped = {p.name for p in (REPO / "recipes").glob("*.yaml")} - ELSEWHERE
     assert shipped == set(CATALOGUE), "add the recipe to CATALOGUE (or remove it from the table)"
-
-

@@ -25,16 +25,35 @@ def environment() -> dict:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-                         "datasets": datasets.__version__, "tokenizers": tokenizers.__version__},
-            "machine": {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
-                        "ram_gib": round(mem / 2**20, 1), "gpus": gpus}}
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+            "datasets": datasets.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "machine": {
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)),
+            "ram_gib": round(mem / 2**20, 1),
+            "gpus": gpus,
+        },
+    }
 
 
 def yes(met: bool) -> str:
@@ -44,8 +63,9 @@ def yes(met: bool) -> str:
 def run_checked(cmd: list[str], env: dict, timeout: int, what: str) -> str:
     """Run from the repo root in its own process group (so a timeout also ends the deepspeed launcher's
     ranks); return stdout+stderr, or print the tail of the output and exit non-zero."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,8 +86,12 @@ def new_report(**fields) -> dict:
     """A report's header: today's date, the command that made it, the versions and the machine."""
     import datetime
 
-    return {"date": datetime.date.today().isoformat(), "command": " ".join(["python", "tools/benchmark.py"]
-                                                                        + sys.argv[1:]), **environment(), **fields}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
+        **environment(),
+        **fields,
+    }
 
 
 def write_report(out_dir: str, name: str, result: dict, markdown: str) -> Path:
@@ -85,6 +109,9 @@ def write_report(out_dir: str, name: str, result: dict, markdown: str) -> Path:
 def footer(r: dict) -> list[str]:
     """The machine and versions lines every report ends with."""
     m, v = r["machine"], r["versions"]
-    return [f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['ram_gib']} GiB RAM"
-            + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU") + ".",
-            "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + "."]
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['ram_gib']} GiB RAM"
+        + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU")
+        + ".",
+        "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
+    ]

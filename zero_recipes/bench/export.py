@@ -25,10 +25,20 @@ from .common import REPO, footer, free_port, new_report, run_checked, write_repo
 
 # ~91M parameters (365 MB in fp32): "a model of a few hundred MB"; --quick: ~7M, for the test
 MODELS = {
-    "full": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
-             "intermediate_size": 2048},
-    "quick": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "intermediate_size": 688},
+    "full": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "intermediate_size": 2048,
+    },
+    "quick": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 688,
+    },
 }
 SHARD = {"full": "100MB", "quick": "10MB"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -65,10 +75,28 @@ def parameters(shard: Path) -> int:
 
 def make_checkpoint(tmp: Path, stage: int, size: str) -> Path:
     out = tmp / f"zero{stage}"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
-           "--deepspeed", f"ds_configs/zero{stage}.json", "--model_config", json.dumps(MODELS[size]),
-           "--max_steps", "1", "--block_size", "64", "--per_device_train_batch_size", "1", "--eval_steps", "0",
-           "--output_dir", str(out)]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        "--deepspeed",
+        f"ds_configs/zero{stage}.json",
+        "--model_config",
+        json.dumps(MODELS[size]),
+        "--max_steps",
+        "1",
+        "--block_size",
+        "64",
+        "--per_device_train_batch_size",
+        "1",
+        "--eval_steps",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
     run_checked(cmd, None, 1200, f"train.py (ZeRO-{stage} checkpoint)")
     return out / "checkpoints"
 
@@ -83,48 +111,88 @@ def measure(quick: bool) -> dict:
             ckpt = make_checkpoint(tmp, stage, size)
             for dtype in ("fp32", "bf16"):
                 dest = tmp / f"out-{stage}-{dtype}"
-                peak = peak_memory([sys.executable, "tools/export_hf.py", str(ckpt), str(dest), "--dtype", dtype,
-                                    "--max_shard_size", SHARD[size]])
+                peak = peak_memory(
+                    [
+                        sys.executable,
+                        "tools/export_hf.py",
+                        str(ckpt),
+                        str(dest),
+                        "--dtype",
+                        dtype,
+                        "--max_shard_size",
+                        SHARD[size],
+                    ]
+                )
                 files = sorted(dest.glob("*.safetensors"))
                 weights = sum(f.stat().st_size for f in files)
                 largest = max(f.stat().st_size for f in files)
                 num_params = sum(parameters(f) for f in files)
                 net = {k: peak[k] - base[k] for k in FIELDS}
                 budget = weights + largest
-                rows.append({"zero_stage": stage, "dtype": dtype, "num_params": num_params, "weights_bytes": weights,
-                             "largest_shard_bytes": largest, "shards": len(files), "peak": peak, "net": net,
-                             "anon_over_budget": net["RssAnon"] / budget, "met": net["RssAnon"] <= TOLERANCE * budget})
-                print(f"  ZeRO-{stage} {dtype}: RssAnon +{net['RssAnon'] / 1e6:.0f} MB, RssFile +"
-                      f"{net['RssFile'] / 1e6:.0f} MB, weights {weights / 1e6:.0f} MB + shard {largest / 1e6:.0f} MB",
-                      flush=True)
+                rows.append(
+                    {
+                        "zero_stage": stage,
+                        "dtype": dtype,
+                        "num_params": num_params,
+                        "weights_bytes": weights,
+                        "largest_shard_bytes": largest,
+                        "shards": len(files),
+                        "peak": peak,
+                        "net": net,
+                        "anon_over_budget": net["RssAnon"] / budget,
+                        "met": net["RssAnon"] <= TOLERANCE * budget,
+                    }
+                )
+                print(
+                    f"  ZeRO-{stage} {dtype}: RssAnon +{net['RssAnon'] / 1e6:.0f} MB, RssFile +"
+                    f"{net['RssFile'] / 1e6:.0f} MB, weights {weights / 1e6:.0f} MB + shard {largest / 1e6:.0f} MB",
+                    flush=True,
+                )
                 shutil.rmtree(dest)
             shutil.rmtree(ckpt.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"model_config": MODELS[size], "max_shard_size": SHARD[size], "baseline": base, "exports": rows,
-            "tolerance": TOLERANCE}
+    return {
+        "model_config": MODELS[size],
+        "max_shard_size": SHARD[size],
+        "baseline": base,
+        "exports": rows,
+        "tolerance": TOLERANCE,
+    }
 
 
 def markdown(r: dict) -> str:
     mb = lambda b: f"{b / 1e6:,.0f}"  # noqa: E731
-    lines = [f"# Export peak memory, {r['date']}", "", f"Command: `{r['command']}`", "",
-             "| checkpoint | dtype | weights MB | largest shard MB | RssAnon MB (net) | RssFile MB (net) | "
-             "VmRSS MB (total) | anon / (weights + shard) | goal met? |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Export peak memory, {r['date']}",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        "| checkpoint | dtype | weights MB | largest shard MB | RssAnon MB (net) | RssFile MB (net) | "
+        "VmRSS MB (total) | anon / (weights + shard) | goal met? |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for e in r["exports"]:
-        lines.append(f"| 2-rank ZeRO-{e['zero_stage']} | {e['dtype']} | {mb(e['weights_bytes'])} | "
-                     f"{mb(e['largest_shard_bytes'])} | {mb(e['net']['RssAnon'])} | {mb(e['net']['RssFile'])} | "
-                     f"{mb(e['peak']['VmRSS'])} | {e['anon_over_budget']:.2f} | {yes(e['met'])} |")
+        lines.append(
+            f"| 2-rank ZeRO-{e['zero_stage']} | {e['dtype']} | {mb(e['weights_bytes'])} | "
+            f"{mb(e['largest_shard_bytes'])} | {mb(e['net']['RssAnon'])} | {mb(e['net']['RssFile'])} | "
+            f"{mb(e['peak']['VmRSS'])} | {e['anon_over_budget']:.2f} | {yes(e['met'])} |"
+        )
     n = r["exports"][0]["num_params"]
-    lines += ["", f"- Model: Llama, {json.dumps(r['model_config'])}" + (f", {n / 1e6:.2f}M parameters" if n else "")
-              + f"; checkpoints from `train.py` on 2 ranks, 1 step; `--max_shard_size {r['max_shard_size']}`.",
-              f"- Goal: net RssAnon <= {r['tolerance']:.2f} x (weights in the output dtype + one shard). Net = peak "
-              f"minus the peak of `python -c \"{IMPORTS}\"` (RssAnon {mb(r['baseline']['RssAnon'])} MB, "
-              f"RssFile {mb(r['baseline']['RssFile'])} MB).",
-              "- ZeRO-1/2: DeepSpeed's `_zero2_merge_trainable_params` concatenates the rank partitions into one "
-              "fp32 vector before any dtype cast, so the anonymous peak is one fp32 copy plus a shard whatever the "
-              "output dtype: bf16 exports need twice the goal. ZeRO-3's lazy mode gathers one parameter at a time.",
-              "- RssFile is the memory-mapped rank files (page cache, reclaimable); it is not counted in the goal.",
-              *footer(r)]
+    lines += [
+        "",
+        f"- Model: Llama, {json.dumps(r['model_config'])}"
+        + (f", {n / 1e6:.2f}M parameters" if n else "")
+        + f"; checkpoints from `train.py` on 2 ranks, 1 step; `--max_shard_size {r['max_shard_size']}`.",
+        f"- Goal: net RssAnon <= {r['tolerance']:.2f} x (weights in the output dtype + one shard). Net = peak "
+        f'minus the peak of `python -c "{IMPORTS}"` (RssAnon {mb(r["baseline"]["RssAnon"])} MB, '
+        f"RssFile {mb(r['baseline']['RssFile'])} MB).",
+        "- ZeRO-1/2: DeepSpeed's `_zero2_merge_trainable_params` concatenates the rank partitions into one "
+        "fp32 vector before any dtype cast, so the anonymous peak is one fp32 copy plus a shard whatever the "
+        "output dtype: bf16 exports need twice the goal. ZeRO-3's lazy mode gathers one parameter at a time.",
+        "- RssFile is the memory-mapped rank files (page cache, reclaimable); it is not counted in the goal.",
+        *footer(r),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,10 @@ def global_order(w) -> list[int]:
     i % world, so interleaving each rank's own train.py order gives every rank the same rows as train.py."""
     from zero_recipes import data
 
-    orders = [data.BatchOrder(w.prepared.train, w.cfg.per_device_train_batch_size, r, w.world, w.cfg.seed, w.pad_id)
-              for r in range(w.world)]
+    orders = [
+        data.BatchOrder(w.prepared.train, w.cfg.per_device_train_batch_size, r, w.world, w.cfg.seed, w.pad_id)
+        for r in range(w.world)
+    ]
     need = w.cfg.max_steps * w.cfg.gradient_accumulation_steps
     out = []
     for _ in range(need):
@@ -45,15 +47,31 @@ def main(argv: list[str]) -> int:
     PartialState(backend="nccl" if cuda else "gloo")
     precision = ds_config.precision(w.ds)
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-trainer-bench-"), max_steps=cfg.max_steps,
+        output_dir=tempfile.mkdtemp(prefix="hf-trainer-bench-"),
+        max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
-        adam_epsilon=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_steps, seed=cfg.seed, deepspeed=w.raw_ds, bf16=precision == "bf16",
-        fp16=precision == "fp16", use_cpu=not cuda, logging_steps=w.window, save_strategy="no", report_to=[],
-        dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
-        gradient_checkpointing=cfg.gradient_checkpointing)
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_epsilon,
+        max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        seed=cfg.seed,
+        deepspeed=w.raw_ds,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=not cuda,
+        logging_steps=w.window,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
     modeling.causal_lm_class(w.model_config)
     model = modeling.build_model(cfg, w.model_config, torch.float32, w.rank)  # after args: zero.Init sees them
     model.config.use_cache = False

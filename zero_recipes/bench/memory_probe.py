@@ -35,10 +35,14 @@ STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady st
 def timeline(prof) -> dict:
     """Peak live bytes per phase, and the live bytes after init and after the last step."""
     events = prof.profiler.kineto_results.events()
-    marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:"):]) for e in events
-                   if e.name().startswith("phase:"))
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                 if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    marks = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
+        for e in events
+        if e.name().startswith("phase:")
+    )
+    mem = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
     live, peak, after_init = 0, dict.fromkeys(PHASES, 0), None
     i = 0
     for t, nbytes in mem:
@@ -62,8 +66,9 @@ def main(argv: list[str]) -> int:
     distributed.init()
     distributed.quiet_deepspeed()
     model_config = modeling.load_model_config(cfg)
-    resolved = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world,
-                                 modeling.hidden_size(model_config))
+    resolved = ds_config.resolve(
+        ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world, modeling.hidden_size(model_config)
+    )
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, STEPS)
     from transformers.integrations import HfDeepSpeedConfig
@@ -71,8 +76,10 @@ def main(argv: list[str]) -> int:
     modeling.causal_lm_class(model_config)
     vocab = model_config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
-               for _ in range(STEPS * cfg.gradient_accumulation_steps)]
+    batches = [
+        torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
+        for _ in range(STEPS * cfg.gradient_accumulation_steps)
+    ]
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -18,23 +18,44 @@ from pathlib import Path
 
 from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
-HUNDRED_M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
-             "intermediate_size": 2048}
+HUNDRED_M = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "intermediate_size": 2048,
+}
 SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, micro, steps, window)
     "tiny": (None, 256, 8, 30, 5),
     "100M": (HUNDRED_M, 256, 2, 9, 3),
 }
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
-RUNNERS = {"train.py": ["train.py"], "HF Trainer": ["--module", "zero_recipes.bench.hf_trainer_run"],  # after the launcher's flags
-           "bare DeepSpeed loop": ["--module", "zero_recipes.bench.bare_loop"], "train.py --torch_compile": ["train.py"]}
+RUNNERS = {
+    "train.py": ["train.py"],
+    "HF Trainer": ["--module", "zero_recipes.bench.hf_trainer_run"],  # after the launcher's flags
+    "bare DeepSpeed loop": ["--module", "zero_recipes.bench.bare_loop"],
+    "train.py --torch_compile": ["train.py"],
+}
 EXTRA = {"train.py --torch_compile": ["--torch_compile", "true"]}  # compile time falls in the warm-up window
 GOALS = {"tiny": 1.2, "100M": 1.0, "floor": 0.97}
 
 
 def flags(size) -> list[str]:
     model, block, micro, steps, _window = size
-    out = ["--deepspeed", "ds_configs/zero2.json", "--max_steps", str(steps), "--block_size", str(block),
-           "--per_device_train_batch_size", str(micro), "--learning_rate", "3e-3", "--warmup_steps", "1"]
+    out = [
+        "--deepspeed",
+        "ds_configs/zero2.json",
+        "--max_steps",
+        str(steps),
+        "--block_size",
+        str(block),
+        "--per_device_train_batch_size",
+        str(micro),
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "1",
+    ]
     return out + (["--model_config", json.dumps(model)] if model else [])
 
 
@@ -44,8 +65,12 @@ def run_one(runner: str, size, tmp: Path, tag: str) -> list[float]:
     launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS[runner]]
     out = tmp / f"{tag}-{runner.replace(' ', '_')}"
     if RUNNERS[runner] == ["train.py"]:
-        cmd = launch + flags(size) + EXTRA.get(runner, []) + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0",
-                                      "--output_dir", str(out)]
+        cmd = (
+            launch
+            + flags(size)
+            + EXTRA.get(runner, [])
+            + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(out)]
+        )
         run_checked(cmd, None, 3600, f"{runner}: {' '.join(cmd)}")
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         tokens = size[2] * size[1] * 2 * window
@@ -67,41 +92,71 @@ def measure(sizes: dict, pairs: int) -> dict:
             for runner in RUNNERS:
                 seconds = run_one(runner, size, tmp, f"{name}-{rep}")
                 rates[runner] += [tokens / s for s in seconds[1:]]  # steady state: warm-up window left out
-                print(f"  {name} rep {rep + 1}/{pairs} {runner}: {statistics.median(rates[runner][-len(seconds) + 1:]):,.0f} "
-                      "tokens/s", flush=True)
+                print(
+                    f"  {name} rep {rep + 1}/{pairs} {runner}: {statistics.median(rates[runner][-len(seconds) + 1 :]):,.0f} "
+                    "tokens/s",
+                    flush=True,
+                )
         med = {r: statistics.median(v) for r, v in rates.items()}
-        out[name] = {"settings": {"model_config": size[0] or "embedded tiny Llama", "block_size": block,
-                                  "micro_batch": micro, "steps": steps, "window_steps": window, "ranks": 2,
-                                  "config": "ds_configs/zero2.json", "precision": "fp32"},
-                     "tokens_per_sec": {r: {"median": med[r], "min": min(v), "max": max(v), "windows": len(v)}
-                                        for r, v in rates.items()},
-                     "vs_hf_trainer": med["train.py"] / med["HF Trainer"],
-                     "vs_bare_loop": med["train.py"] / med["bare DeepSpeed loop"],
-                     "compiled_vs_hf_trainer": med["train.py --torch_compile"] / med["HF Trainer"],
-                     "goal_vs_hf_trainer": GOALS.get(name, 1.0), "goal_vs_bare_loop": GOALS["floor"]}
+        out[name] = {
+            "settings": {
+                "model_config": size[0] or "embedded tiny Llama",
+                "block_size": block,
+                "micro_batch": micro,
+                "steps": steps,
+                "window_steps": window,
+                "ranks": 2,
+                "config": "ds_configs/zero2.json",
+                "precision": "fp32",
+            },
+            "tokens_per_sec": {
+                r: {"median": med[r], "min": min(v), "max": max(v), "windows": len(v)} for r, v in rates.items()
+            },
+            "vs_hf_trainer": med["train.py"] / med["HF Trainer"],
+            "vs_bare_loop": med["train.py"] / med["bare DeepSpeed loop"],
+            "compiled_vs_hf_trainer": med["train.py --torch_compile"] / med["HF Trainer"],
+            "goal_vs_hf_trainer": GOALS.get(name, 1.0),
+            "goal_vs_bare_loop": GOALS["floor"],
+        }
     return out
 
 
 def markdown(r: dict) -> str:
-    lines = [f"# Training speed, {r['date']}", "", f"Command: `{r['command']}`", "",
-             "| model | runner | tokens/s (median) | min–max | windows |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Training speed, {r['date']}",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        "| model | runner | tokens/s (median) | min–max | windows |",
+        "|---|---|---|---|---|",
+    ]
     for name, m in r["models"].items():
         for runner, t in m["tokens_per_sec"].items():
-            lines.append(f"| {name} | {runner} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {t['windows']} |")
-    lines += ["", "| model | train.py / HF Trainer | goal | met? | with --torch_compile | met? | "
-              "train.py / bare loop | goal | met? |", "|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {name} | {runner} | {t['median']:,.0f} | {t['min']:,.0f}–{t['max']:,.0f} | {t['windows']} |"
+            )
+    lines += [
+        "",
+        "| model | train.py / HF Trainer | goal | met? | with --torch_compile | met? | "
+        "train.py / bare loop | goal | met? |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, m in r["models"].items():
         goal = m["goal_vs_hf_trainer"]
-        lines.append(f"| {name} | {m['vs_hf_trainer']:.3f} | >= {goal:g} | {yes(m['vs_hf_trainer'] >= goal)} | "
-                     f"{m['compiled_vs_hf_trainer']:.3f} | {yes(m['compiled_vs_hf_trainer'] >= goal)} | "
-                     f"{m['vs_bare_loop']:.3f} | >= {m['goal_vs_bare_loop']:g} | "
-                     f"{yes(m['vs_bare_loop'] >= m['goal_vs_bare_loop'])} |")
+        lines.append(
+            f"| {name} | {m['vs_hf_trainer']:.3f} | >= {goal:g} | {yes(m['vs_hf_trainer'] >= goal)} | "
+            f"{m['compiled_vs_hf_trainer']:.3f} | {yes(m['compiled_vs_hf_trainer'] >= goal)} | "
+            f"{m['vs_bare_loop']:.3f} | >= {m['goal_vs_bare_loop']:g} | "
+            f"{yes(m['vs_bare_loop'] >= m['goal_vs_bare_loop'])} |"
+        )
     for name, x in r["models"].items():
         s = x["settings"]
         lines.append("")
-        lines.append(f"- {name}: {json.dumps(s['model_config']) if isinstance(s['model_config'], dict) else s['model_config']}; "
-                     f"{s['config']}, {s['precision']}, {s['ranks']} ranks x 1 thread, micro-batch {s['micro_batch']} x "
-                     f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out).")
+        lines.append(
+            f"- {name}: {json.dumps(s['model_config']) if isinstance(s['model_config'], dict) else s['model_config']}; "
+            f"{s['config']}, {s['precision']}, {s['ranks']} ranks x 1 thread, micro-batch {s['micro_batch']} x "
+            f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out)."
+        )
     lines += ["", *footer(r)]
     return "\n".join(lines) + "\n"
 
@@ -111,8 +166,10 @@ def cmd_train(args) -> int:
     result = new_report(models=measure(sizes, args.pairs or (1 if args.quick else 2)))
     write_report(args.out_dir, f"train-{result['date']}", result, markdown(result))
     for name, m in result["models"].items():
-        print(f"{name}: train.py / HF Trainer = {m['vs_hf_trainer']:.3f} ({m['compiled_vs_hf_trainer']:.3f} with "
-              f"--torch_compile), train.py / bare loop = {m['vs_bare_loop']:.3f}")
+        print(
+            f"{name}: train.py / HF Trainer = {m['vs_hf_trainer']:.3f} ({m['compiled_vs_hf_trainer']:.3f} with "
+            f"--torch_compile), train.py / bare loop = {m['vs_bare_loop']:.3f}"
+        )
     return 0
 
 
@@ -125,26 +182,51 @@ def cmd_mfu(args) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-mfu-"))
     window = size[4]
     out = tmp / "train"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py"] + flags(size) + [
-        "--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(out)]
+    cmd = (
+        ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py"]
+        + flags(size)
+        + ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(out)]
+    )
     log = run_checked(cmd, None, 3600, f"train.py: {' '.join(cmd)}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "mfu" in x]
     plan = next(line for line in log.splitlines() if line.startswith("plan:"))
     ops = tmp / "ops.txt"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS["bare DeepSpeed loop"]] + \
-        flags(size) + ["--timing_out", str(tmp / "t.json"), "--window", str(window), "--profile_out", str(ops)]
+    cmd = (
+        ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS["bare DeepSpeed loop"]]
+        + flags(size)
+        + ["--timing_out", str(tmp / "t.json"), "--window", str(window), "--profile_out", str(ops)]
+    )
     run_checked(cmd, None, 3600, "bare loop with the profiler")
     mfus = [r["mfu"] for r in records[1:]]
-    result = new_report(model=name, mfu_median=statistics.median(mfus), mfu_windows=mfus, plan=plan,
-                        op_table=ops.read_text())
-    write_report(args.out_dir, f"mfu-{result['date']}", result, "\n".join([
-        f"# CPU MFU, {result['date']}", "", f"Command: `{result['command']}`", "",
-        f"- train.py, {name} model, 2 ranks: MFU {result['mfu_median']:.1%} (median of {len(mfus)} steady windows: "
-        + ", ".join(f"{x:.1%}" for x in mfus) + ").",
-        f"- train.py's plan line (model FLOPs per token: 6N plus the attention term; the peak it measured): `{plan}`",
-        *footer(result), "",
-        "Where rank 0's time goes (bare DeepSpeed loop, same work, steps after the first window; torch.profiler, "
-        "self CPU time):", "", "```", result["op_table"].rstrip(), "```", ""]))
+    result = new_report(
+        model=name, mfu_median=statistics.median(mfus), mfu_windows=mfus, plan=plan, op_table=ops.read_text()
+    )
+    write_report(
+        args.out_dir,
+        f"mfu-{result['date']}",
+        result,
+        "\n".join(
+            [
+                f"# CPU MFU, {result['date']}",
+                "",
+                f"Command: `{result['command']}`",
+                "",
+                f"- train.py, {name} model, 2 ranks: MFU {result['mfu_median']:.1%} (median of {len(mfus)} steady windows: "
+                + ", ".join(f"{x:.1%}" for x in mfus)
+                + ").",
+                f"- train.py's plan line (model FLOPs per token: 6N plus the attention term; the peak it measured): `{plan}`",
+                *footer(result),
+                "",
+                "Where rank 0's time goes (bare DeepSpeed loop, same work, steps after the first window; torch.profiler, "
+                "self CPU time):",
+                "",
+                "```",
+                result["op_table"].rstrip(),
+                "```",
+                "",
+            ]
+        ),
+    )
     print(f"MFU {result['mfu_median']:.1%}")
     return 0
 

@@ -1,6 +1,6 @@
 """Time train.py's per-step preemption check on its own: StopRequest.agreed() in a real 2-rank world.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.stop_probe OUT.json CALLS
+deepspeed --num_gpus 2 --module zero_recipes.bench.stop_probe OUT.json CALLS
 """
 
 import json
@@ -25,7 +25,7 @@ def main() -> None:
         assert stop.agreed() is None
         seconds.append(time.perf_counter() - t)
     if rank == 0:
-        out.write_text(json.dumps({"median_seconds": statistics.median(seconds[calls // 10:]), "calls": calls}))
+        out.write_text(json.dumps({"median_seconds": statistics.median(seconds[calls // 10 :]), "calls": calls}))
     distributed.finish(0)
 
 

@@ -42,7 +42,7 @@ def pop_flag(argv: list[str], name: str, default: str | None = None) -> tuple[li
     if name not in argv:
         return argv, default
     i = argv.index(name)
-    return argv[:i] + argv[i + 2:], argv[i + 1]
+    return argv[:i] + argv[i + 2 :], argv[i + 1]
 
 
 def setup(argv: list[str]) -> Workload:
@@ -65,8 +65,22 @@ def setup(argv: list[str]) -> Workload:
     resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, cfg.max_steps)
-    return Workload(cfg, explicit, ds, raw, order, prepared, model_config, tokenizer, prepared.pad_id, rank, world, threads,
-                    timing_out, int(window))
+    return Workload(
+        cfg,
+        explicit,
+        ds,
+        raw,
+        order,
+        prepared,
+        model_config,
+        tokenizer,
+        prepared.pad_id,
+        rank,
+        world,
+        threads,
+        timing_out,
+        int(window),
+    )
 
 
 class WindowClock:
@@ -85,6 +99,16 @@ class WindowClock:
         cfg = self.w.cfg
         tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size * self.w.world
         seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        Path(self.w.timing_out).write_text(json.dumps({
-            "runner": runner, "window_steps": self.w.window, "window_seconds": seconds,
-            "tokens_per_step": tokens, "threads_per_rank": self.w.threads, "world": self.w.world}) + "\n")
+        Path(self.w.timing_out).write_text(
+            json.dumps(
+                {
+                    "runner": runner,
+                    "window_steps": self.w.window,
+                    "window_seconds": seconds,
+                    "tokens_per_step": tokens,
+                    "threads_per_rank": self.w.threads,
+                    "world": self.w.world,
+                }
+            )
+            + "\n"
+        )

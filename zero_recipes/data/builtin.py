@@ -16,6 +16,7 @@ from .cache import cache_root, digest as _digest
 
 # ---- the embedded corpus ---------------------------------------------------------------------------
 
+
 def stdlib_docstrings() -> list[str]:
     """Every module, class and function docstring of the running Python's standard library: a few MB of
     English about code that exists, unchanged, on any machine with this Python. Tests, the IDLE GUI and
@@ -64,8 +65,12 @@ def builtin_tokenizer_dir(cfg: TrainConfig, vocab_size: int = 4096) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
 
     def lines():
         with corpus.open() as f:
@@ -73,8 +78,14 @@ def builtin_tokenizer_dir(cfg: TrainConfig, vocab_size: int = 4096) -> Path:
                 yield json.loads(line)["text"]
 
     tok.train_from_iterator(lines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=2048)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=2048,
+    )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     fast.save_pretrained(tmp)
     tmp.replace(out)
@@ -96,11 +107,12 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-
 # ---- a generated instruction dataset with checkable answers -------------------------------------------
 
-WORDS = ("red green blue black white cat dog fish bird tree rock sun moon star rain snow fire wind sand "
-         "milk bread apple lemon river lake hill road door book pen cup").split()
+WORDS = (
+    "red green blue black white cat dog fish bird tree rock sun moon star rain snow fire wind sand "
+    "milk bread apple lemon river lake hill road door book pen cup"
+).split()
 
 
 def instruction_examples(n: int, seed: int = 0) -> list[dict]:

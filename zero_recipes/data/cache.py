@@ -22,7 +22,9 @@ def digest(*parts) -> str:
 
 
 def tokenizer_fingerprint(tok) -> str:
-    backend = tok.backend_tokenizer.to_str() if getattr(tok, "is_fast", False) else repr(sorted(tok.get_vocab().items()))
+    backend = (
+        tok.backend_tokenizer.to_str() if getattr(tok, "is_fast", False) else repr(sorted(tok.get_vocab().items()))
+    )
     return digest(backend, tok.eos_token_id, tok.bos_token_id, getattr(tok, "chat_template", None))
 
 

@@ -19,22 +19,31 @@ import numpy as np
 from ..config import ConfigError
 from .options import TokenizeOptions
 
-REQUIRED_COLUMNS = {"text": None, "prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "output"),
-                    "messages": ("messages",)}
+REQUIRED_COLUMNS = {
+    "text": None,
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
+    "messages": ("messages",),
+}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # Used when the tokenizer has no chat template (the embedded one has none). ChatML layout, in plain text
 # so it needs no new special tokens; it is saved with the exported tokenizer, so generation uses it too.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # The Stanford Alpaca prompt, which alpaca-format datasets were written for.
-ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                     "context. Write a response that appropriately completes the request.\n\n"
-                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes "
+    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 
 
 def detect_format(requested: str, columns: list[str], text_column: str, name: str) -> tuple[str, str]:
@@ -44,17 +53,21 @@ def detect_format(requested: str, columns: list[str], text_column: str, name: st
         missing = [c for c in needed if c not in columns]
         if missing:
             flag = " (or pass --text_column NAME)" if requested == "text" else ""
-            raise ConfigError(f"dataset '{name}' has no column '{missing[0]}' needed by --dataset_format {requested} "
-                              f"(columns: {', '.join(columns)}){flag}")
+            raise ConfigError(
+                f"dataset '{name}' has no column '{missing[0]}' needed by --dataset_format {requested} "
+                f"(columns: {', '.join(columns)}){flag}"
+            )
         return requested, f"format '{requested}' (as configured)"
     for fmt in ("messages", "prompt_completion", "alpaca"):
         if all(c in columns for c in REQUIRED_COLUMNS[fmt]):
             return fmt, f"detected format '{fmt}' from columns {', '.join(columns)}; set --dataset_format to choose"
     if text_column in columns:
         return "text", f"detected format 'text' (column '{text_column}'); set --dataset_format to choose"
-    raise ConfigError(f"dataset '{name}' has no column '{text_column}' (columns: {', '.join(columns)}) and matches no "
-                      "SFT format (messages | prompt+completion | instruction+output); pass --text_column NAME or "
-                      "--dataset_format")
+    raise ConfigError(
+        f"dataset '{name}' has no column '{text_column}' (columns: {', '.join(columns)}) and matches no "
+        "SFT format (messages | prompt+completion | instruction+output); pass --text_column NAME or "
+        "--dataset_format"
+    )
 
 
 def ensure_chat_template(tok, log) -> None:
@@ -85,6 +98,7 @@ def content_hash(value) -> int:
 
 # ---- rendering SFT examples to text and trainable character spans --------------------------------------
 
+
 def render(fmt: str, row: dict, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
     if fmt == "prompt_completion":
         prompt, completion = _str(row["prompt"]), _str(row["completion"])
@@ -92,7 +106,8 @@ def render(fmt: str, row: dict, tok, index: int) -> tuple[str, list[tuple[int, i
     if fmt == "alpaca":
         extra = _str(row.get("input"))
         prompt = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(
-            instruction=_str(row["instruction"]), input=extra)
+            instruction=_str(row["instruction"]), input=extra
+        )
         output = _str(row["output"])
         return prompt + output, [(len(prompt), len(prompt) + len(output))]
     return render_chat(row["messages"], tok, index)
@@ -111,8 +126,10 @@ def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
     for m in messages:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in CHAT_ROLES:
-            raise ConfigError(f"example {index}: unknown chat role {role!r}; roles must be one of "
-                              f"{', '.join(CHAT_ROLES)} (map others, e.g. 'human' -> 'user', before training)")
+            raise ConfigError(
+                f"example {index}: unknown chat role {role!r}; roles must be one of "
+                f"{', '.join(CHAT_ROLES)} (map others, e.g. 'human' -> 'user', before training)"
+            )
     text = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):
@@ -121,9 +138,11 @@ def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
         before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise ConfigError(f"example {index}: the tokenizer's chat template does not render a conversation as a "
-                              "growing prefix, so assistant turns cannot be located; use --train_on_prompt true or a "
-                              "template without history rewriting")
+            raise ConfigError(
+                f"example {index}: the tokenizer's chat template does not render a conversation as a "
+                "growing prefix, so assistant turns cannot be located; use --train_on_prompt true or a "
+                "template without history rewriting"
+            )
         spans.append((len(before), len(upto)))
     return text, spans
 
@@ -165,8 +184,10 @@ class Tokenize:
         out = {}
         texts = [_str(t) for t in batch[self.opts.text_column]]
         opts = self.opts
-        for step, fn in (("html", strip_html if opts.strip_html else None),
-                         ("whitespace", normalize_whitespace if opts.normalize_whitespace else None)):
+        for step, fn in (
+            ("html", strip_html if opts.strip_html else None),
+            ("whitespace", normalize_whitespace if opts.normalize_whitespace else None),
+        ):
             if fn is None:
                 continue
             cleaned = [fn(t) for t in texts]
@@ -180,8 +201,9 @@ class Tokenize:
             texts = cleaned
         ids = self._encode(texts)
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(chain.from_iterable(chain.from_iterable((x, (eos,)) for x in ids)), dtype=np.int32,
-                           count=int(lengths.sum()))
+        flat = np.fromiter(
+            chain.from_iterable(chain.from_iterable((x, (eos,)) for x in ids)), dtype=np.int32, count=int(lengths.sum())
+        )
         out.update(ids=flat, lengths=lengths)
         if self.opts.dedupe:
             out["hash"] = np.array([content_hash(t) for t in texts], dtype=np.int64)
@@ -192,8 +214,12 @@ class Tokenize:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         rendered = [render(self.fmt, row, self.tok, i + 1) for row, i in zip(rows, indices)]
         special = self.fmt != "messages"  # chat templates write their own BOS; plain prompts get the tokenizer's
-        enc = self.tok([t for t, _ in rendered], add_special_tokens=special, return_offsets_mapping=True,
-                       return_attention_mask=False)
+        enc = self.tok(
+            [t for t, _ in rendered],
+            add_special_tokens=special,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+        )
         all_ids, masks = [], []
         for ids, offsets, (text, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
             mask = token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
@@ -205,9 +231,11 @@ class Tokenize:
                 mask = np.append(mask, np.uint8(1 if (self.opts.train_on_prompt or last_trained) else 0))
             all_ids.append(ids)
             masks.append(mask)
-        out = {"ids": np.fromiter(chain.from_iterable(all_ids), dtype=np.int32),
-               "lengths": np.array([len(x) for x in all_ids], dtype=np.int64),
-               "mask": np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)}
+        out = {
+            "ids": np.fromiter(chain.from_iterable(all_ids), dtype=np.int32),
+            "lengths": np.array([len(x) for x in all_ids], dtype=np.int64),
+            "mask": np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
+        }
         if self.opts.dedupe:
             out["hash"] = np.array([content_hash(row) for row in rows], dtype=np.int64)
         return out
@@ -218,5 +246,5 @@ def split_examples(out: dict):
     ids, lengths, mask = out["ids"], out["lengths"], out.get("mask")
     at = 0
     for n in lengths:
-        yield ids[at: at + n], (None if mask is None else mask[at: at + n])
+        yield ids[at : at + n], (None if mask is None else mask[at : at + n])
         at += n

@@ -48,25 +48,34 @@ class Mixture:
 
 class BatchOrder:
     def __init__(self, rows, micro_batch: int, rank: int, world: int, seed: int, pad_id: int):
-        self.rows, self.micro, self.rank, self.world, self.seed, self.pad_id = rows, micro_batch, rank, world, seed, pad_id
+        self.rows, self.micro, self.rank, self.world, self.seed, self.pad_id = (
+            rows,
+            micro_batch,
+            rank,
+            world,
+            seed,
+            pad_id,
+        )
         self.per_rank = len(rows) // world // micro_batch  # micro-batches per rank per epoch
         if self.per_rank == 0:
-            raise ConfigError(f"{len(rows)} training rows cannot fill one micro-batch of {micro_batch} on each of "
-                              f"{world} ranks; lower --per_device_train_batch_size or --block_size, or use more data")
+            raise ConfigError(
+                f"{len(rows)} training rows cannot fill one micro-batch of {micro_batch} on each of "
+                f"{world} ranks; lower --per_device_train_batch_size or --block_size, or use more data"
+            )
         self.epoch, self.index = 0, 0
         self._order = None
 
     def _epoch_order(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.epoch])
         perm = rng.permutation(len(self.rows))[: self.per_rank * self.micro * self.world]
-        return perm[self.rank:: self.world]
+        return perm[self.rank :: self.world]
 
     def next_indices(self) -> np.ndarray:
         if self.index >= self.per_rank:
             self.epoch, self.index, self._order = self.epoch + 1, 0, None
         if self._order is None:
             self._order = self._epoch_order()
-        idx = np.sort(self._order[self.index * self.micro: (self.index + 1) * self.micro])
+        idx = np.sort(self._order[self.index * self.micro : (self.index + 1) * self.micro])
         self.index += 1
         return idx
 

@@ -24,8 +24,8 @@ class Samples:
         return len(self.ptr) - 1
 
     def row(self, i: int):
-        segs = self.seg[self.ptr[i]: self.ptr[i + 1]]
-        return [(self.tokens[s: s + n], None if self.mask is None else self.mask[s: s + n]) for s, n in segs]
+        segs = self.seg[self.ptr[i] : self.ptr[i + 1]]
+        return [(self.tokens[s : s + n], None if self.mask is None else self.mask[s : s + n]) for s, n in segs]
 
     def row_lengths(self) -> np.ndarray:
         return np.add.reduceat(self.seg[:, 1], self.ptr[:-1]) if len(self) else np.zeros(0, dtype=np.int64)
@@ -91,12 +91,12 @@ def collate(rows: list, pad_id: int, length: int | None = None) -> dict:
         at = 0
         for toks, mask in r:
             n = len(toks)
-            ids[i, at: at + n] = toks
+            ids[i, at : at + n] = toks
             lab = np.asarray(toks, dtype=np.int64) if mask is None else np.where(np.asarray(mask) > 0, toks, -100)
-            labels[i, at: at + n] = lab
+            labels[i, at : at + n] = lab
             labels[i, at] = -100
             if packed:
-                pos[i, at: at + n] = np.arange(n)
+                pos[i, at : at + n] = np.arange(n)
             at += n
         if packed and at < T:
             pos[i, at:] = np.arange(T - at)

@@ -79,8 +79,9 @@ def cache_key(spec, source, opts: DataOptions, tok) -> str:
     """What the prepared rows of one dataset depend on: the data (where it comes from, its config and
     splits), the tokenizer and the options. Not the mixture weight: it decides how often rows are drawn,
     not what they are."""
-    return digest(DATA_FORMAT_VERSION, source, asdict(spec) | {"weight": None}, tokenizer_fingerprint(tok),
-                  asdict(opts))
+    return digest(
+        DATA_FORMAT_VERSION, source, asdict(spec) | {"weight": None}, tokenizer_fingerprint(tok), asdict(opts)
+    )
 
 
 def prepare_one(cfg, spec, tok, log):
@@ -112,8 +113,16 @@ def tokenize(cfg, ds, opts: DataOptions, tok, desc) -> Tokenized:
     options only, so a change of layout (block_size, packing, ...) reuses the tokenised examples."""
     procs = min(num_workers(cfg), max(1, len(ds) // 2000))
     fp = digest(ds._fingerprint, tokenizer_fingerprint(tok), asdict(opts.tokenize), DATA_FORMAT_VERSION)
-    out = ds.map(formats.Tokenize(tok, opts.tokenize), batched=True, batch_size=1000, with_indices=True,
-                 num_proc=procs, remove_columns=ds.column_names, new_fingerprint=f"tok-{fp}", desc=desc)
+    out = ds.map(
+        formats.Tokenize(tok, opts.tokenize),
+        batched=True,
+        batch_size=1000,
+        with_indices=True,
+        num_proc=procs,
+        remove_columns=ds.column_names,
+        new_fingerprint=f"tok-{fp}",
+        desc=desc,
+    )
     return Tokenized(out, opts.tokenize.format != "text")
 
 
@@ -135,11 +144,17 @@ class Tokenized:
     def __init__(self, ds, sft: bool):
         self.ids = flat(ds, "ids", np.int32)
         self.lengths = flat(ds, "lengths", np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64) if len(self.lengths) \
+        self.starts = (
+            np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+            if len(self.lengths)
             else np.zeros(0, dtype=np.int64)
+        )
         self.mask = flat(ds, "mask", np.uint8) if sft else None
-        self.extra = {name: flat(ds, name, np.int64) for name in ("removed_html", "removed_whitespace", "hash")
-                      if name in ds.column_names}
+        self.extra = {
+            name: flat(ds, name, np.int64)
+            for name in ("removed_html", "removed_whitespace", "hash")
+            if name in ds.column_names
+        }
 
 
 def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
@@ -164,17 +179,28 @@ def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
     n_train = write_rows(tmp, "train", tk, kept, fmt, block, opts.packing)
     n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, block, False) if eval_tk is not None else 0
     if n_train == 0:
-        raise ConfigError(f"dataset '{spec.name}' yields no full block of {block} tokens; lower --block_size "
-                          "or use more data")
-    report.update(format=fmt, train_rows=n_train, eval_rows=n_eval, train_examples=int(len(kept)),
-                  eval_examples=int(len(eval_kept)))
-    (tmp / "meta.json").write_text(json.dumps({"format": fmt, "train_rows": n_train, "eval_rows": n_eval,
-                                               "report": report, "source": source}, default=str))
+        raise ConfigError(
+            f"dataset '{spec.name}' yields no full block of {block} tokens; lower --block_size or use more data"
+        )
+    report.update(
+        format=fmt,
+        train_rows=n_train,
+        eval_rows=n_eval,
+        train_examples=int(len(kept)),
+        eval_examples=int(len(eval_kept)),
+    )
+    (tmp / "meta.json").write_text(
+        json.dumps(
+            {"format": fmt, "train_rows": n_train, "eval_rows": n_eval, "report": report, "source": source}, default=str
+        )
+    )
     publish(tmp, out)
     rows = load_rows(out, "train")
     util = rows.num_tokens / (len(rows) * block)
-    log(f"data: {spec.name}: {summary(report)}; {len(kept)} train examples -> {n_train} rows of <= {block} "
-        f"tokens ({util:.1%} real tokens per block), {n_eval} eval rows; cached at {out}")
+    log(
+        f"data: {spec.name}: {summary(report)}; {len(kept)} train examples -> {n_train} rows of <= {block} "
+        f"tokens ({util:.1%} real tokens per block), {n_eval} eval rows; cached at {out}"
+    )
 
 
 def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndarray:
@@ -185,7 +211,11 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     for step in ("html", "whitespace"):
         if f"removed_{step}" in tk.extra:
             removed = tk.extra[f"removed_{step}"]
-            report[f"cleaning {step}"] = {"documents": 0, "tokens": int(removed.sum()), "changed": int((removed != 0).sum())}
+            report[f"cleaning {step}"] = {
+                "documents": 0,
+                "tokens": int(removed.sum()),
+                "changed": int((removed != 0).sum()),
+            }
 
     def drop(what, bad):
         bad = bad & keep
@@ -206,8 +236,10 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     if fmt != "text":
         too_long = (lengths > block) & keep
         if keep.any() and too_long.sum() == keep.sum():
-            raise ConfigError(f"dataset '{name}': all {int(keep.sum())} examples are longer than block_size "
-                              f"{block} tokens (longest {int(lengths.max())}); raise --block_size")
+            raise ConfigError(
+                f"dataset '{name}': all {int(keep.sum())} examples are longer than block_size "
+                f"{block} tokens (longest {int(lengths.max())}); raise --block_size"
+            )
         drop(f"longer than block_size {block}", too_long)
     if not keep.any():
         raise ConfigError(f"dataset '{name}' is empty after filtering: {summary(report)}; relax the cleaning options")
@@ -224,8 +256,9 @@ def hold_out(cfg, spec, source, opts: DataOptions, tok, tk: Tokenized, kept: np.
             return None, none, kept
         formats.detect_format(fmt, eval_ds.column_names, opts.tokenize.text_column, f"{spec.name}:{spec.eval_split}")
         eval_tk = tokenize(cfg, eval_ds, opts, tok, "tokenising eval")
-        eval_kept = np.flatnonzero(eval_tk.lengths <= opts.block_size) if fmt != "text" else \
-            np.arange(len(eval_tk.lengths))
+        eval_kept = (
+            np.flatnonzero(eval_tk.lengths <= opts.block_size) if fmt != "text" else np.arange(len(eval_tk.lengths))
+        )
         return eval_tk, eval_kept, kept
     if opts.validation_split_percentage > 0 and len(kept) >= 2:
         n_eval = max(1, int(round(opts.validation_split_percentage / 100 * len(kept))))
@@ -238,7 +271,9 @@ def summary(report: dict) -> str:
     parts = [f"{report['documents']} documents"]
     for name, r in report.items():
         if isinstance(r, dict) and (r["documents"] or r["tokens"]):
-            what = f"{r['tokens']} tokens" if not r["documents"] else f"{r['documents']} documents / {r['tokens']} tokens"
+            what = (
+                f"{r['tokens']} tokens" if not r["documents"] else f"{r['documents']} documents / {r['tokens']} tokens"
+            )
             parts.append(f"{name}: -{what}")
     return ", ".join(parts)
 

@@ -14,8 +14,14 @@ from typing import Optional
 from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, ConfigError, parse_inline_or_file
 from . import builtin
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
-                  ".text": "text"}
+LOCAL_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
 BUILTINS = {BUILTIN_DATASET: builtin.builtin_corpus_file, BUILTIN_INSTRUCTIONS: builtin.builtin_instructions_file}
 
 
@@ -33,8 +39,13 @@ class DatasetSpec:
 def dataset_specs(cfg) -> list[DatasetSpec]:
     """The datasets of this run: `dataset_name` alone, or the weighted `dataset_mixture`."""
     mixture = parse_inline_or_file("dataset_mixture", cfg.dataset_mixture)
-    base = dict(config=cfg.dataset_config_name, split=cfg.dataset_split, eval_split=cfg.eval_split,
-                format=cfg.dataset_format, text_column=cfg.text_column)
+    base = dict(
+        config=cfg.dataset_config_name,
+        split=cfg.dataset_split,
+        eval_split=cfg.eval_split,
+        format=cfg.dataset_format,
+        text_column=cfg.text_column,
+    )
     if mixture is None:
         return [DatasetSpec(name=cfg.dataset_name, **base)]
     if not isinstance(mixture, list) or not mixture:
@@ -43,8 +54,9 @@ def dataset_specs(cfg) -> list[DatasetSpec]:
     specs = []
     for i, entry in enumerate(mixture):
         if not isinstance(entry, dict) or "name" not in entry or "weight" not in entry:
-            raise ConfigError(f"dataset_mixture entry {i + 1} must be a mapping with at least name and weight, "
-                              f"got {entry!r}")
+            raise ConfigError(
+                f"dataset_mixture entry {i + 1} must be a mapping with at least name and weight, got {entry!r}"
+            )
         for key in entry:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
@@ -52,19 +64,24 @@ def dataset_specs(cfg) -> list[DatasetSpec]:
                 raise ConfigError(f"dataset_mixture entry {i + 1} has unknown key '{key}'{hint}")
         spec = DatasetSpec(**{**base, **entry})
         if spec.format not in DATASET_FORMATS:
-            raise ConfigError(f"dataset_mixture entry {i + 1}: format '{spec.format}' is not one of "
-                              f"{', '.join(DATASET_FORMATS)}")
+            raise ConfigError(
+                f"dataset_mixture entry {i + 1}: format '{spec.format}' is not one of {', '.join(DATASET_FORMATS)}"
+            )
         try:
             spec.weight = float(spec.weight)
         except (TypeError, ValueError):
-            raise ConfigError(f"dataset_mixture entry {i + 1}: weight must be a number, got {entry['weight']!r}") from None
+            raise ConfigError(
+                f"dataset_mixture entry {i + 1}: weight must be a number, got {entry['weight']!r}"
+            ) from None
         if spec.weight <= 0:
             raise ConfigError(f"dataset_mixture entry {i + 1} ({spec.name}): weight must be > 0, got {spec.weight}")
         specs.append(spec)
     total = sum(s.weight for s in specs)
     if abs(total - 1.0) > 1e-6:
-        raise ConfigError(f"dataset_mixture weights add up to {total:g}, not 1 "
-                          f"({' + '.join(f'{s.weight:g}' for s in specs)}); scale them so they sum to 1")
+        raise ConfigError(
+            f"dataset_mixture weights add up to {total:g}, not 1 "
+            f"({' + '.join(f'{s.weight:g}' for s in specs)}); scale them so they sum to 1"
+        )
     return specs
 
 
@@ -79,19 +96,35 @@ def describe(spec: DatasetSpec, cfg) -> dict:
     if p.is_dir():
         # saved by `datasets` (save_to_disk), or laid out like a hub dataset repo (data files, README
         # configs), which load_dataset reads through the same code path as a hub id
-        stat = [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime) for f in sorted(p.rglob("*")) if f.is_file()]
+        stat = [
+            (str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime) for f in sorted(p.rglob("*")) if f.is_file()
+        ]
         saved = (p / "state.json").exists() or (p / "dataset_dict.json").exists()
-        return {"kind": "saved" if saved else "hub", "name": str(p.resolve()), "path": str(p.resolve()),
-                "config": spec.config, "stat": stat}
+        return {
+            "kind": "saved" if saved else "hub",
+            "name": str(p.resolve()),
+            "path": str(p.resolve()),
+            "config": spec.config,
+            "stat": stat,
+        }
     if p.is_file():
         builder = LOCAL_BUILDERS.get(p.suffix.lower())
         if builder is None:
-            raise ConfigError(f"dataset file '{p}' has an unsupported extension; use "
-                              f"{', '.join(sorted(LOCAL_BUILDERS))} or a directory saved by datasets")
-        return {"kind": "local", "builder": builder, "path": str(p.resolve()), "stat": [p.stat().st_size, p.stat().st_mtime]}
+            raise ConfigError(
+                f"dataset file '{p}' has an unsupported extension; use "
+                f"{', '.join(sorted(LOCAL_BUILDERS))} or a directory saved by datasets"
+            )
+        return {
+            "kind": "local",
+            "builder": builder,
+            "path": str(p.resolve()),
+            "stat": [p.stat().st_size, p.stat().st_mtime],
+        }
     if spec.name.startswith((".", "/", "~")) or Path(spec.name).suffix.lower() in LOCAL_BUILDERS:
-        raise ConfigError(f"dataset '{spec.name}' does not exist; give an existing file, a saved dataset "
-                          "directory or a hub dataset id")
+        raise ConfigError(
+            f"dataset '{spec.name}' does not exist; give an existing file, a saved dataset "
+            "directory or a hub dataset id"
+        )
     return {"kind": "hub", "name": spec.name, "config": spec.config}
 
 
@@ -115,9 +148,13 @@ def load(spec: DatasetSpec, source: dict, split: str, streaming: bool = False, t
                 raise ConfigError(f"dataset file '{spec.name}' is empty")
             check_utf8(Path(source["path"]), source["builder"])
             if split != "train":
-                raise ConfigError(f"dataset file '{spec.name}' is a single split; it has no split '{split}'. "
-                                  "Give the eval data as its own file in a mixture, or use the held-out fraction")
-            return datasets.load_dataset(source["builder"], data_files=source["path"], split="train", streaming=streaming)
+                raise ConfigError(
+                    f"dataset file '{spec.name}' is a single split; it has no split '{split}'. "
+                    "Give the eval data as its own file in a mixture, or use the held-out fraction"
+                )
+            return datasets.load_dataset(
+                source["builder"], data_files=source["path"], split="train", streaming=streaming
+            )
         kwargs = {"trust_remote_code": True} if trust_remote_code else {}
         return datasets.load_dataset(source["name"], source["config"], split=split, streaming=streaming, **kwargs)
     except ConfigError:
@@ -126,8 +163,9 @@ def load(spec: DatasetSpec, source: dict, split: str, streaming: bool = False, t
         if source["kind"] == "local":
             diagnose_file(Path(source["path"]), source["builder"])
             raise ConfigError(f"cannot load dataset file '{spec.name}': {first_line(e)}") from None
-        if isinstance(e, (FileNotFoundError, ValueError, ConnectionError, KeyError, UnicodeDecodeError)) or \
-                type(e).__module__.startswith(("huggingface_hub", "datasets", "requests", "httpx", "pyarrow")):
+        if isinstance(e, (FileNotFoundError, ValueError, ConnectionError, KeyError, UnicodeDecodeError)) or type(
+            e
+        ).__module__.startswith(("huggingface_hub", "datasets", "requests", "httpx", "pyarrow")):
             raise ConfigError(f"cannot load dataset '{spec.name}': {first_line(e)}") from None
         raise
 
@@ -166,14 +204,17 @@ def diagnose_file(path: Path, builder: str) -> None:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                  "re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+                raise ConfigError(
+                    f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+                ) from None
             if builder == "json" and head != b"[" and line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{lineno}:{e.colno}: not valid JSON lines: {e.msg}; "
-                                      "each line must be one JSON object") from None
+                    raise ConfigError(
+                        f"{path}:{lineno}:{e.colno}: not valid JSON lines: {e.msg}; each line must be one JSON object"
+                    ) from None
     if builder == "json" and head == b"[":
         try:
             json.loads(path.read_text())

@@ -36,8 +36,11 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    n_eval = 0 if spec.eval_split or opts.validation_split_percentage == 0 else \
-        (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
+    n_eval = (
+        0
+        if spec.eval_split or opts.validation_split_percentage == 0
+        else (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
+    )
     train = StreamOrder(cfg, spec, source, tok, opts, rank, world, pad_id, skip=n_eval)
     evald = None
     if spec.eval_split or n_eval:
@@ -45,8 +48,10 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
         n = n_eval or (cfg.max_eval_batches or 50) * cfg.per_device_eval_batch_size * world
         ds = sources.load(spec, source, split, streaming=True, trust_remote_code=cfg.trust_remote_code).take(n)
         evald = materialise(ds, formats.Tokenize(tok, opts.tokenize), fmt, opts.block_size)
-        log(f"data: eval: {len(evald)} rows from the first {n} examples of split '{split}'"
-            + ("" if spec.eval_split else ", which training skips"))
+        log(
+            f"data: eval: {len(evald)} rows from the first {n} examples of split '{split}'"
+            + ("" if spec.eval_split else ", which training skips")
+        )
     return Prepared(train, evald, [fmt], pad_id)
 
 
@@ -103,8 +108,9 @@ class StreamOrder:
     def _examples(self):
         from datasets.distributed import split_dataset_by_node
 
-        ds = sources.load(self.spec, self.source, self.spec.split, streaming=True,
-                          trust_remote_code=self.cfg.trust_remote_code)
+        ds = sources.load(
+            self.spec, self.source, self.spec.split, streaming=True, trust_remote_code=self.cfg.trust_remote_code
+        )
         if self.skip:
             ds = ds.skip(self.skip)
         ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world)
@@ -118,7 +124,7 @@ class StreamOrder:
                 index += n
                 continue
             if index < start:
-                batch = {k: v[start - index:] for k, v in batch.items()}
+                batch = {k: v[start - index :] for k, v in batch.items()}
                 n, index = n - (start - index), start
             out = self.fn(batch, list(range(index + 1, index + n + 1)))
             for j, (ids, mask) in enumerate(formats.split_examples({k: v[0] for k, v in out.items()})):
@@ -133,8 +139,10 @@ class StreamOrder:
             item = next(self._it, None)
             if item is None:
                 if self.example == 0:
-                    raise ConfigError(f"dataset '{self.spec.name}' streams no examples to rank {self.rank}; "
-                                      "use fewer ranks or more data")
+                    raise ConfigError(
+                        f"dataset '{self.spec.name}' streams no examples to rank {self.rank}; "
+                        "use fewer ranks or more data"
+                    )
                 self.epoch, self.example, self.offset, self._it = self.epoch + 1, 0, 0, None
                 return self._peek()
             self._current = item
@@ -148,7 +156,7 @@ class StreamOrder:
             need, pieces = self.block, []
             while need:
                 _, ids, _ = self._peek()
-                take = ids[self.offset: self.offset + need]
+                take = ids[self.offset : self.offset + need]
                 pieces.append(take)
                 need -= len(take)
                 self.offset += len(take)

@@ -2,4 +2,4 @@
 traced through the real model code (activations), and the estimate that combines them (estimate)."""
 
 from .activations import Activations, activation_bytes  # noqa: F401
-from .estimate import Estimate, Launch, ModelShape, estimate, parse_memory, for_run, rank_total, training_compute  # noqa: F401
+from .estimate import Estimate, Launch, ModelShape, estimate, for_run, parse_memory, rank_total, training_compute  # noqa: F401

@@ -105,16 +105,18 @@ def trace_peak(config, micro_batch: int, seq_len: int, dtype, gradient_checkpoin
     return tracker.peak
 
 
-def closed_form(config, micro_batch: int, seq_len: int, bytes_per: int, gradient_checkpointing: bool,
-                attn: str) -> Activations:
+def closed_form(
+    config, micro_batch: int, seq_len: int, bytes_per: int, gradient_checkpointing: bool, attn: str
+) -> Activations:
     """Korthikanti et al.: s*b*h*34 bytes per layer in 16-bit, plus 5*a*s^2*b without a fused attention
     kernel; full recompute keeps 2*s*b*h per layer (plus one layer's worth while it recomputes). The loss
     region is 14*s*b*V in 16-bit (16 in fp32)."""
     t = config.get_text_config()
     s, b, h, layers = seq_len, micro_batch, t.hidden_size, t.num_hidden_layers
     scale = bytes_per / 2
-    per_layer = s * b * h * 34 * scale + (0 if attn in ("sdpa", "flash_attention_2") else
-                                           5 * t.num_attention_heads * s * s * b * scale)
+    per_layer = s * b * h * 34 * scale + (
+        0 if attn in ("sdpa", "flash_attention_2") else 5 * t.num_attention_heads * s * s * b * scale
+    )
     loss = s * b * t.vocab_size * (14 if bytes_per == 2 else 16)
     if gradient_checkpointing:
         total = layers * 2 * s * b * h * scale + per_layer + loss
@@ -123,16 +125,20 @@ def closed_form(config, micro_batch: int, seq_len: int, bytes_per: int, gradient
     return Activations(int(total), int(per_layer), "closed form")
 
 
-def activation_bytes(config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool,
-                     attn: str = "sdpa") -> Activations:
+def activation_bytes(
+    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str = "sdpa"
+) -> Activations:
     import torch
 
     layers = config.get_text_config().num_hidden_layers
     try:
-        one, two = (trace_peak(_with_layers(config, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn)
-                    for n in (1, 2))
+        one, two = (
+            trace_peak(_with_layers(config, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn)
+            for n in (1, 2)
+        )
     except Exception:  # noqa: BLE001 -- any model code that cannot run on fake tensors
-        return closed_form(config, micro_batch, seq_len, 2 if dtype != torch.float32 else 4,
-                           gradient_checkpointing, attn)
+        return closed_form(
+            config, micro_batch, seq_len, 2 if dtype != torch.float32 else 4, gradient_checkpointing, attn
+        )
     per_layer = max(0, two - one)
     return Activations(one + (layers - 1) * per_layer, per_layer, "traced")

@@ -17,12 +17,30 @@ from ..ds_config import precision as ds_precision
 from .activations import Activations, activation_bytes
 from .states import PHASES, Setup, phases
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 # Board power in watts (datasheet TDP/TBP of the SXM or PCIe part named), for energy = power x time.
-BOARD_POWER_W = {"H200": 700, "H100": 700, "A100": 400, "L40S": 350, "A10G": 150, "RTX 4090": 450,
-                 "V100": 300, "MI300X": 750}
+BOARD_POWER_W = {
+    "H200": 700,
+    "H100": 700,
+    "A100": 400,
+    "L40S": 350,
+    "A10G": 150,
+    "RTX 4090": 450,
+    "V100": 300,
+    "MI300X": 750,
+}
 
 
 def parse_memory(text: str) -> int:
@@ -80,9 +98,17 @@ class Estimate:
         return asdict(self)
 
 
-def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = None,
-             activations: Activations | None = None, gpu_memory: int | None = None) -> Estimate:
-    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it."""
+def estimate(
+    model_config,
+    ds: dict,
+    launch: Launch,
+    shape: ModelShape | None = None,
+    activations: Activations | None = None,
+    gpu_memory: int | None = None,
+) -> Estimate:
+    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it.
+    Over 60 lines: the phases' device/host split is assembled term by term in one place, so each term's
+    source reads next to the others (issue 15 re-derives the GPU split here)."""
     import torch
 
     from ..ds_config import offloads, zero_stage
@@ -93,13 +119,29 @@ def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = 
     stage = zero_stage(ds)
     off_opt, off_par = offloads(ds)
     zero = ds.get("zero_optimization", {})
-    setup = Setup(shape.num_params, shape.largest_param, launch.world, stage, p, precision != "fp32", off_opt, off_par,
-                  zero, launch.adam_temporaries)
+    setup = Setup(
+        shape.num_params,
+        shape.largest_param,
+        launch.world,
+        stage,
+        p,
+        precision != "fp32",
+        off_opt,
+        off_par,
+        zero,
+        launch.adam_temporaries,
+    )
     by_phase = phases(setup)
     if activations is None:
         dtype = torch.float32 if p == 4 else torch.bfloat16
-        activations = activation_bytes(model_config, launch.micro_batch_size, launch.seq_len, dtype,
-                                       launch.gradient_checkpointing, launch.attn_implementation)
+        activations = activation_bytes(
+            model_config,
+            launch.micro_batch_size,
+            launch.seq_len,
+            dtype,
+            launch.gradient_checkpointing,
+            launch.attn_implementation,
+        )
     table = {}
     for name in PHASES:
         b = by_phase[name]
@@ -108,8 +150,13 @@ def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = 
             fwd = by_phase["forward"]
             if fwd.device + activations.bytes > b.device:  # the forward's peak: activations on the steady states
                 b, act = fwd, activations.bytes
-        table[name] = {"device_bytes": b.device + act, "model_states_bytes": b.states, "buffers_bytes": b.buffers,
-                       "activations_bytes": act, "host_bytes": b.host_states + b.host_buffers}
+        table[name] = {
+            "device_bytes": b.device + act,
+            "model_states_bytes": b.states,
+            "buffers_bytes": b.buffers,
+            "activations_bytes": act,
+            "host_bytes": b.host_states + b.host_buffers,
+        }
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
     # Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
@@ -119,16 +166,33 @@ def estimate(model_config, ds: dict, launch: Launch, shape: ModelShape | None = 
     init_host = 4 * shape.num_params if stage < 3 else min(5 * 10**9, 2 * shape.num_params)
     nvme = {off_opt, off_par} & {"nvme"}
     offloaded_to_host = 0 if nvme else host_states
-    pinned = any(isinstance(zero.get(k), dict) and zero[k].get("pin_memory") for k in ("offload_optimizer", "offload_param"))
-    per_node = {"cpu_bytes": launch.num_gpus * max(offloaded_to_host, init_host),
-                "pinned_bytes": launch.num_gpus * offloaded_to_host if pinned else 0,
-                "nvme_bytes": launch.num_gpus * host_states if nvme else 0}
-    per_gpu = {"peak_bytes": top["device_bytes"], "peak_phase": peak_phase,
-               "model_states_bytes": top["model_states_bytes"], "activations_bytes": top["activations_bytes"],
-               "buffers_bytes": top["buffers_bytes"]}
+    pinned = any(
+        isinstance(zero.get(k), dict) and zero[k].get("pin_memory") for k in ("offload_optimizer", "offload_param")
+    )
+    per_node = {
+        "cpu_bytes": launch.num_gpus * max(offloaded_to_host, init_host),
+        "pinned_bytes": launch.num_gpus * offloaded_to_host if pinned else 0,
+        "nvme_bytes": launch.num_gpus * host_states if nvme else 0,
+    }
+    per_gpu = {
+        "peak_bytes": top["device_bytes"],
+        "peak_phase": peak_phase,
+        "model_states_bytes": top["model_states_bytes"],
+        "activations_bytes": top["activations_bytes"],
+        "buffers_bytes": top["buffers_bytes"],
+    }
     fits = None if gpu_memory is None else per_gpu["peak_bytes"] <= gpu_memory
-    return Estimate(shape.num_params, precision, stage, {"optimizer": off_opt, "param": off_par}, per_gpu, per_node,
-                    table, activations.method, fits)
+    return Estimate(
+        shape.num_params,
+        precision,
+        stage,
+        {"optimizer": off_opt, "param": off_par},
+        per_gpu,
+        per_node,
+        table,
+        activations.method,
+        fits,
+    )
 
 
 def rank_total(e: Estimate, phase: str) -> int:
@@ -137,8 +201,17 @@ def rank_total(e: Estimate, phase: str) -> int:
     return t["device_bytes"] + t["host_bytes"]
 
 
-def training_compute(model_config, num_params: int, tokens: float, seq_len: int, gpus: int, device: str,
-                     dtype: str, mfu: float, power_w: float | None) -> dict:
+def training_compute(
+    model_config,
+    num_params: int,
+    tokens: float,
+    seq_len: int,
+    gpus: int,
+    device: str,
+    dtype: str,
+    mfu: float,
+    power_w: float | None,
+) -> dict:
     """Total FLOPs (6N per token plus attention, the FLOPs function train.py uses), wall time and GPU-hours at
     the stated MFU, and energy at board power."""
     from ..metrics import model_flops_per_token, peak_flops_from_table
@@ -146,13 +219,20 @@ def training_compute(model_config, num_params: int, tokens: float, seq_len: int,
     flops = model_flops_per_token(model_config, seq_len) * tokens
     peak = peak_flops_from_table(device, dtype)
     if peak is None:
-        raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of "
-                          f"{', '.join(BOARD_POWER_W)}")
+        raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of {', '.join(BOARD_POWER_W)}")
     seconds = flops / (gpus * peak * mfu)
     power = power_w or next((w for k, w in BOARD_POWER_W.items() if k.lower() in device.lower()), None)
-    out = {"tokens": tokens, "total_flops": flops, "six_n_d_flops": 6 * num_params * tokens, "device": device,
-           "peak_flops_per_gpu": peak, "mfu": mfu, "gpus": gpus, "wall_seconds": seconds,
-           "gpu_hours": seconds * gpus / 3600}
+    out = {
+        "tokens": tokens,
+        "total_flops": flops,
+        "six_n_d_flops": 6 * num_params * tokens,
+        "device": device,
+        "peak_flops_per_gpu": peak,
+        "mfu": mfu,
+        "gpus": gpus,
+        "wall_seconds": seconds,
+        "gpu_hours": seconds * gpus / 3600,
+    }
     if power:
         out.update(board_power_w=power, energy_kwh=power * gpus * seconds / 3.6e6)
     return out
@@ -162,12 +242,24 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     """tools/estimate_memory.py's estimate for this train.py run (GPU: with torch's fused AdamW), and it in one
     line for the log. (None, why) when it cannot be made: an estimate must never stop a run."""
     try:
-        e = estimate(model_config, ds, Launch(world, 1, cfg.per_device_train_batch_size, cfg.block_size,
-                                              cfg.gradient_checkpointing, cfg.attn_implementation or "sdpa"))
+        e = estimate(
+            model_config,
+            ds,
+            Launch(
+                world,
+                1,
+                cfg.per_device_train_batch_size,
+                cfg.block_size,
+                cfg.gradient_checkpointing,
+                cfg.attn_implementation or "sdpa",
+            ),
+        )
     except Exception as err:  # noqa: BLE001
         return None, f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     g = e.per_gpu
-    return e, (f"memory: estimated peak {g['peak_bytes'] / 2**30:.2f} GiB per GPU in {g['peak_phase']} (states "
-               f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
-               f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
-               f"(tools/estimate_memory.py for the breakdown and --table)")
+    return e, (
+        f"memory: estimated peak {g['peak_bytes'] / 2**30:.2f} GiB per GPU in {g['peak_phase']} (states "
+        f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
+        f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
+        f"(tools/estimate_memory.py for the breakdown and --table)"
+    )

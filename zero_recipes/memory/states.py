@@ -37,6 +37,7 @@ class Setup:
 class PhaseBytes:
     """One rank's bytes in one phase. `states` are params, grads, master and Adam moments; `buffers` are
     DeepSpeed's working memory beyond them (buckets, gathered ZeRO-3 params, flat copies, temporaries)."""
+
     states: int
     buffers: int
     host_states: int  # offloaded states of this rank, in host memory
@@ -80,8 +81,11 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         # init to create Adam's state, so init costs what a step does.
         master = 4 if s.mixed else 0
         steady = p + master + 8
-        total = {"steady": steady, "forward_backward": steady + (4 if s.mixed else 8),
-                 "optimizer_step": steady + 4 + (p if s.mixed else 0) + temp * f}
+        total = {
+            "steady": steady,
+            "forward_backward": steady + (4 if s.mixed else 8),
+            "optimizer_step": steady + 4 + (p if s.mixed else 0) + temp * f,
+        }
         total["init"] = total["optimizer_step"] if s.mixed else 4
         states = {"steady": steady, "forward_backward": steady + 4, "optimizer_step": steady + 4, "init": 4}
         host = dict.fromkeys(total, 0.0)
@@ -93,22 +97,37 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         grads = p + p / N if s.stage == 1 else p / N  # ZeRO-1 keeps full grads until the step
         # ZeRO-2: the grad of the param in flight (reduced, then copied into the partition) and the bucket
         extra = 0 if s.stage == 1 else 2 * p * f + bucket
-        total = {"steady": steady, "forward_backward": steady + grads + extra,
-                 # the reduced partition, its fp32 copy for the update, and CPU AdamW's temporaries
-                 "optimizer_step": steady + (p + 4 + temp) / N,
-                 # the fp32-built model, its low-precision flat copy, the fp32 partition
-                 "init": 4 + p + 4 / N}
-        states = {"steady": steady - staging, "forward_backward": steady - staging + grads,
-                  "optimizer_step": steady - staging + (p + 4) / N, "init": 4 + 4 / N}
+        total = {
+            "steady": steady,
+            "forward_backward": steady + grads + extra,
+            # the reduced partition, its fp32 copy for the update, and CPU AdamW's temporaries
+            "optimizer_step": steady + (p + 4 + temp) / N,
+            # the fp32-built model, its low-precision flat copy, the fp32 partition
+            "init": 4 + p + 4 / N,
+        }
+        states = {
+            "steady": steady - staging,
+            "forward_backward": steady - staging + grads,
+            "optimizer_step": steady - staging + (p + 4) / N,
+            "init": 4 + 4 / N,
+        }
         host = dict.fromkeys(total, 0.0)
     elif s.stage in (1, 2):
         # Optimizer offload: master, Adam and an fp32 grad partition live on the host (16/N); measured beyond
         # that: ~1.3 B/param of pinned staging and ~1/N of DeepSpeedCPUAdam's flat views
         steady = p + PINNED_STAGING_12 + 17 / N
-        total = {"steady": steady, "forward_backward": steady + p * (1 + f),
-                 "optimizer_step": steady + (p if N > 1 else 0), "init": p + 1 + 10 / N}
-        states = {"steady": p + 16 / N, "forward_backward": p + 16 / N + p, "optimizer_step": p + 16 / N,
-                  "init": p + 16 / N}
+        total = {
+            "steady": steady,
+            "forward_backward": steady + p * (1 + f),
+            "optimizer_step": steady + (p if N > 1 else 0),
+            "init": p + 1 + 10 / N,
+        }
+        states = {
+            "steady": p + 16 / N,
+            "forward_backward": p + 16 / N + p,
+            "optimizer_step": p + 16 / N,
+            "init": p + 16 / N,
+        }
         # init: the low-precision model and its flat copy go to the device, the fp32 partitions to the host.
         # The pinned staging is host memory by definition (page-locked for the copies); on the CPU accelerator,
         # where it was measured, device and host are one pool, so this split is reasoned, not GPU-measured.
@@ -126,16 +145,22 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
             # ~2/N of pinned staging, and ~p/2 more in backward while grads stream to the host
             part = (p + 16 + PINNED_STAGING_3) / N
         steady = resident + part
-        total = {"steady": steady, "forward_backward": steady + gathered + 2 * p * f + bucket + (p / 2 if off_opt else 0),
-                 "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
-                 "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N}
+        total = {
+            "steady": steady,
+            "forward_backward": steady + gathered + 2 * p * f + bucket + (p / 2 if off_opt else 0),
+            "optimizer_step": steady + (0 if off_opt else (4 + temp) / N),
+            "init": (0.8 * p * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p) + (p + 10) / N,
+        }
         # the offloaded states and their pinned staging
         host_part = ((16 + PINNED_STAGING_3) / N if off_opt else 0) + (p / N if off_par else 0)
         states = dict.fromkeys(total, part - host_part)  # on the device
         host = dict.fromkeys(total, host_part)  # with offload, zero.Init builds the partitions on the host
     # What is live during the forward, before any grad exists: activations add to this, while the grads'
     # transient comes after most activations are freed (measured: the fwd/bwd peak is the larger of the two)
-    forward_extra = (p * min(1 - 1 / N, cap / P) if s.stage == 3 else 0)
-    total["forward"], states["forward"], host["forward"] = (total["steady"] + forward_extra, states["steady"],
-                                                            host["steady"])
+    forward_extra = p * min(1 - 1 / N, cap / P) if s.stage == 3 else 0
+    total["forward"], states["forward"], host["forward"] = (
+        total["steady"] + forward_extra,
+        states["steady"],
+        host["steady"],
+    )
     return {k: _split(total[k] * P, states[k] * P, host[k] * P) for k in total}
