@@ -138,3 +138,22 @@ def fault_env(**faults) -> dict:
     """The environment that makes tests/inject/sitecustomize.py inject faults into train.py's processes:
     fault_env(kill="in_save:10:1") or fault_env(nan_at_step=7); see that file."""
     return {f"ZERO_RECIPES_TEST_{name.upper()}": str(value) for name, value in faults.items()}
+
+
+# A small Llama for the memory-estimate tests, and how far an estimate may miss a real measurement:
+# over by up to 10 %, under by up to 5 % (the estimator issue's target).
+SMALL_LLAMA = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 688,
+    "vocab_size": 8000,
+}
+ESTIMATE_OVER, ESTIMATE_UNDER = 0.10, 0.05
+
+
+def small_llama(**fields):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", **{**SMALL_LLAMA, **fields})

@@ -3,27 +3,12 @@
 import subprocess
 import sys
 
-import pytest
-
 from helpers import REPO
-from zero_recipes import data
-from zero_recipes.config import TrainConfig
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return data.load_tokenizer(TrainConfig())
 
 
 def write(path, text):
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return str(path)
-
-
-def prepare(tmp_path, tok, **kw):
-    return data.prepare(
-        TrainConfig(cache_dir=str(tmp_path / "cache"), validation_split_percentage=0, **kw), tok, lambda *_: None
-    )
 
 
 def test_bad_data_under_the_launcher_is_one_line_and_writes_nothing(tmp_path):

@@ -247,3 +247,8 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     # the output is a Hugging Face model of the recipe's architecture
     model = AutoModelForCausalLM.from_pretrained(run.output_dir)
     assert model.config.model_type == json.loads(shipped_config(name).read_text())["model_type"]
+
+
+def test_every_recipe_is_in_the_catalogue_test():
+    shipped = {p.name for p in (REPO / "recipes").glob("*.yaml")} - ELSEWHERE
+    assert shipped == set(CATALOGUE), "add the recipe to CATALOGUE (or remove it from the table)"
