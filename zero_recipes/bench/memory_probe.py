@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
-from zero_recipes import distributed, ds_config, model as modeling
-from zero_recipes.config import parse_args
+from zero_recipes import distributed, model as modeling
 from zero_recipes.engine import make_engine
+from zero_recipes.plan import RunPlan
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state
@@ -60,17 +60,12 @@ def timeline(prof) -> dict:
 def main(argv: list[str]) -> int:
     out = argv[argv.index("--probe_out") + 1]
     argv = [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
-    cfg, explicit = parse_args(argv + ["--max_steps", str(STEPS)])
+    plan = RunPlan.from_args(argv + ["--max_steps", str(STEPS)]).complete(STEPS)  # as train.py resolves it
+    cfg, ds, model_config = plan.cfg, plan.ds, plan.model_config
     rank, _local_rank, world, local_world = distributed.rank_info()
     distributed.set_threads(local_world)
     distributed.init()
     distributed.quiet_deepspeed()
-    model_config = modeling.load_model_config(cfg)
-    resolved = ds_config.resolve(
-        ds_config.load_fragments(cfg.deepspeed), cfg, explicit, world, modeling.hidden_size(model_config)
-    )
-    cfg = resolved.cfg
-    ds = ds_config.with_steps(resolved.ds, cfg, STEPS)
     from transformers.integrations import HfDeepSpeedConfig
 
     modeling.causal_lm_class(model_config)
@@ -96,7 +91,7 @@ def main(argv: list[str]) -> int:
                 engine.step()
     mine = timeline(prof)
     mine["num_params"] = modeling.num_params(engine.module)
-    mine["precision"] = ds_config.precision(ds)
+    mine["precision"] = plan.precision
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:

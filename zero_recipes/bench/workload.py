@@ -16,14 +16,13 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
 
-from zero_recipes import data, distributed, ds_config, model as modeling
-from zero_recipes.config import parse_args
+from zero_recipes import data, distributed
+from zero_recipes.plan import RunPlan
 
 
 @dataclass
 class Workload:
     cfg: object
-    explicit: set
     ds: dict
     raw_ds: dict
     order: object
@@ -48,7 +47,8 @@ def pop_flag(argv: list[str], name: str, default: str | None = None) -> tuple[li
 def setup(argv: list[str]) -> Workload:
     argv, timing_out = pop_flag(argv, "--timing_out")
     argv, window = pop_flag(argv, "--window", "5")
-    cfg, explicit = parse_args(argv)
+    plan = RunPlan.from_args(argv)  # train.py's own resolution
+    cfg = plan.cfg
     rank, _local_rank, world, local_world = distributed.rank_info()
     threads = distributed.set_threads(local_world)
     distributed.init()
@@ -56,20 +56,16 @@ def setup(argv: list[str]) -> Workload:
     tokenizer = data.load_tokenizer(cfg)  # built by train.py's run before this one (A/B/C order)
     prepared = data.prepare(cfg, tokenizer, lambda *a, **k: None)  # a cache hit after train.py's run
     order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, rank, world, cfg.seed, prepared.pad_id)
-    model_config = modeling.load_model_config(cfg)
+    plan = plan.complete(plan.steps_to_train(order.per_rank))  # as train.py counts the steps
+    model_config = plan.model_config
     if cfg.model_name_or_path is None and cfg.model_config is None:
         model_config.vocab_size = len(tokenizer)
     elif cfg.model_name_or_path is None:
         model_config.vocab_size = max(model_config.vocab_size, len(tokenizer))
-    raw = ds_config.load_fragments(cfg.deepspeed)
-    resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
-    cfg = resolved.cfg
-    ds = ds_config.with_steps(resolved.ds, cfg, cfg.max_steps)
     return Workload(
         cfg,
-        explicit,
-        ds,
-        raw,
+        plan.ds,
+        plan.raw_ds,
         order,
         prepared,
         model_config,
