@@ -77,23 +77,16 @@ class Resolved:
 
 class Resolver:
     """Fills "auto"s and collects contradictions, so the user sees every conflict at once. Adoptions go
-    into `adopted`, never into the caller's config."""
+    into its own copy of the config (`self.cfg`), never into the caller's."""
 
     def __init__(self, cfg: TrainConfig, explicit: set[str]):
+        self.cfg = dataclasses.replace(cfg)
         self.explicit = explicit
-        self.values = dataclasses.asdict(cfg)
         self.conflicts: list[str] = []
-        self.adopted: dict[str, Any] = {}
         self.notes: list[str] = []
 
-    def __getattr__(self, field: str) -> Any:  # the config as adopted so far: r.learning_rate
-        try:
-            return self.__dict__["values"][field]
-        except KeyError:
-            raise AttributeError(field) from None
-
     def adopt(self, field: str, value: Any, where: str) -> None:
-        self.values[field] = self.adopted[field] = value
+        setattr(self.cfg, field, value)
         self.notes.append(f"adopted {field}={value!r} (from the DeepSpeed config's {where})")
 
     def match(self, node: dict, key: str, value: Any, field: Optional[str], where: str) -> None:
@@ -126,13 +119,13 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     r = Resolver(cfg, explicit)
     _resolve_precision(ds, r)
     _resolve_batch(ds, r, world_size)
-    r.match(ds, "gradient_clipping", r.max_grad_norm, "max_grad_norm", "gradient_clipping")
+    r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
     _resolve_optimizer(ds, r)
     sched = ds.get("scheduler")
     if isinstance(sched, dict):
         p = sched.setdefault("params", {})
         r.match(p, "warmup_min_lr", 0, None, "scheduler.params.warmup_min_lr")
-        r.match(p, "warmup_max_lr", r.learning_rate, "learning_rate", "scheduler.params.warmup_max_lr")
+        r.match(p, "warmup_max_lr", r.cfg.learning_rate, "learning_rate", "scheduler.params.warmup_max_lr")
     if isinstance(ds.get("zero_optimization"), dict):
         _resolve_zero(ds, ds["zero_optimization"], r, hidden_size)
     if r.conflicts:
@@ -141,7 +134,7 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
             + "; ".join(r.conflicts)
             + ' (set those keys to "auto" or change the recipe)'
         )
-    return Resolved(ds, dataclasses.replace(cfg, **r.adopted), tuple(r.notes))
+    return Resolved(ds, r.cfg, tuple(r.notes))
 
 
 def with_steps(ds: dict, cfg: TrainConfig, total_steps: int) -> dict:
@@ -171,11 +164,11 @@ def _resolve_precision(ds: dict, r: Resolver) -> None:
         if not isinstance(block, dict):
             raise ConfigError(f'DeepSpeed config \'{name}\' must be an object like {{"enabled": "auto"}}')
         enabled = block.get("enabled", AUTO)
-        mine = getattr(r, name)
+        mine = getattr(r.cfg, name)
         if enabled == AUTO:
             block["enabled"] = bool(mine)
         elif mine is None:
-            r.values[name] = r.adopted[name] = bool(enabled)
+            setattr(r.cfg, name, bool(enabled))
         elif bool(enabled) != bool(mine):
             r.conflicts.append(f"{name}.enabled={enabled!r} but {name}={mine!r}")
     if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
@@ -187,18 +180,18 @@ def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
     r.match(
         ds,
         "train_micro_batch_size_per_gpu",
-        r.per_device_train_batch_size,
+        r.cfg.per_device_train_batch_size,
         "per_device_train_batch_size",
         "train_micro_batch_size_per_gpu",
     )
     r.match(
         ds,
         "gradient_accumulation_steps",
-        r.gradient_accumulation_steps,
+        r.cfg.gradient_accumulation_steps,
         "gradient_accumulation_steps",
         "gradient_accumulation_steps",
     )
-    micro, gas = r.per_device_train_batch_size, r.gradient_accumulation_steps
+    micro, gas = r.cfg.per_device_train_batch_size, r.cfg.gradient_accumulation_steps
     if isinstance(ds["train_micro_batch_size_per_gpu"], int):
         micro = ds["train_micro_batch_size_per_gpu"]
     if isinstance(ds["gradient_accumulation_steps"], int):
@@ -218,16 +211,16 @@ def _resolve_optimizer(ds: dict, r: Resolver) -> None:
     if not isinstance(opt, dict):
         return
     p = opt.setdefault("params", {})
-    r.match(p, "lr", r.learning_rate, "learning_rate", "optimizer.params.lr")
-    r.match(p, "weight_decay", r.weight_decay, "weight_decay", "optimizer.params.weight_decay")
-    r.match(p, "eps", r.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
+    r.match(p, "lr", r.cfg.learning_rate, "learning_rate", "optimizer.params.lr")
+    r.match(p, "weight_decay", r.cfg.weight_decay, "weight_decay", "optimizer.params.weight_decay")
+    r.match(p, "eps", r.cfg.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
     if p.get("betas", AUTO) == AUTO:
-        p["betas"] = [r.adam_beta1, r.adam_beta2]
+        p["betas"] = [r.cfg.adam_beta1, r.cfg.adam_beta2]
     else:
-        r.match(p, "betas", [r.adam_beta1, r.adam_beta2], None, "optimizer.params.betas")
+        r.match(p, "betas", [r.cfg.adam_beta1, r.cfg.adam_beta2], None, "optimizer.params.betas")
         b = p["betas"]
         for i, name in enumerate(("adam_beta1", "adam_beta2")):
-            r.match({"b": b[i]}, "b", getattr(r, name), name, f"optimizer.params.betas[{i}]")
+            r.match({"b": b[i]}, "b", getattr(r.cfg, name), name, f"optimizer.params.betas[{i}]")
 
 
 def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) -> None:
@@ -263,13 +256,13 @@ def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) ->
         if isinstance(block, dict) and block.get("nvme_path") == AUTO:
             if block.get("device") != "nvme":
                 del block["nvme_path"]
-            elif not r.nvme_path:
+            elif not r.cfg.nvme_path:
                 raise ConfigError(
                     'the DeepSpeed config offloads to NVMe with nvme_path "auto"; give --nvme_path /local/nvme/dir'
                 )
             else:
-                block["nvme_path"] = r.nvme_path
-                Path(r.nvme_path).mkdir(parents=True, exist_ok=True)
+                block["nvme_path"] = r.cfg.nvme_path
+                Path(r.cfg.nvme_path).mkdir(parents=True, exist_ok=True)
     if zero_stage(ds) == 3:
         # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
         # `save_16bit_model` usable too, as HF configs expect.
