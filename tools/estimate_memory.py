@@ -88,7 +88,6 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
-    check_offload(ds)
     return cfg, config, ds, notes
 
 
@@ -104,23 +103,6 @@ def check_config_file(path: str) -> None:
         )
     if "model_type" not in data:
         raise ConfigError(f'{path} has no model_type; add it (e.g. "model_type": "llama") so the architecture is known')
-
-
-def check_offload(ds: dict) -> None:
-    from zero_recipes.ds_config import offloads, zero_stage
-
-    opt, par = offloads(ds)
-    stage = zero_stage(ds)
-    if par and stage != 3:
-        raise ConfigError(
-            f"offload_param needs ZeRO-3, but the config is ZeRO-{stage}; use ds_configs/zero3.json "
-            "with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2"
-        )
-    if opt and stage == 0:
-        raise ConfigError(
-            "offload_optimizer needs ZeRO-1, 2 or 3, but the config is ZeRO-0; use "
-            "ds_configs/zero2.json with ds_configs/offload_optimizer.json"
-        )
 
 
 def one(args, gpu_memory):

@@ -48,7 +48,9 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
       finishes instead of failing.
     - Another run: refuse unless --overwrite_output_dir, or --resume_from_checkpoint was given (changing
       e.g. max_steps to extend a run is then deliberate).
-    - Files that are not a zero-recipes run: refuse unless --overwrite_output_dir; never delete them."""
+    - Files that are not a zero-recipes run: refuse unless --overwrite_output_dir; never delete them.
+    - A path that is a file, or where this user cannot write: refuse, before anything is created."""
+    check_writable(output_dir)
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return resume
     saved = output_dir / RUN_CONFIG
@@ -76,6 +78,28 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
         "another --output_dir, --overwrite_output_dir to start over, or --resume_from_checkpoint "
         "auto to continue it with the new settings"
     )
+
+
+def check_writable(output_dir: Path) -> None:
+    """output_dir, or the nearest folder above it that exists, must be a directory this user can write in.
+    Asked by writing a probe file there and removing it: os.access says yes to root on a read-only mount."""
+    import tempfile
+
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output_dir {output_dir} is a file, not a directory; choose another --output_dir")
+    existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError(
+            f"--output_dir {output_dir}: {existing} is a file, not a directory; choose another --output_dir"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".zero-recipes-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"--output_dir {output_dir}: cannot write in {existing} ({e.strerror}); choose a directory you can write to"
+        ) from None
 
 
 def clear_previous_run(output_dir: Path) -> None:

@@ -12,9 +12,9 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
+from . import ds_schema
 from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
 
 AUTO = "auto"
@@ -24,11 +24,18 @@ def load_fragments(paths: list[str]) -> dict:
     merged: dict = {}
     for path in paths:
         p = resolve_path(path)
+        if p.is_dir():
+            inside = ", ".join(sorted(x.name for x in p.glob("*.json"))[:6]) or "no .json files"
+            raise ConfigError(f"--deepspeed {path} is a directory ({inside}); give the JSON file(s) to merge")
         if not p.is_file():
             shipped = ", ".join(sorted(x.name for x in (REPO_ROOT / "ds_configs").glob("*.json")))
             raise ConfigError(f"DeepSpeed config '{path}' not found; shipped in ds_configs/: {shipped}")
         try:
             data = json.loads(p.read_text())
+        except OSError as e:
+            raise ConfigError(f"DeepSpeed config {path} cannot be read ({e.strerror}); check its permissions") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"DeepSpeed config {path} is not text; give a JSON file") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
         if not isinstance(data, dict):
@@ -113,10 +120,12 @@ def _same(a, b) -> bool:
 
 
 def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hidden_size: Optional[int]) -> Resolved:
-    """Fill every "auto" the HF Trainer fills, except the scheduler's step counts, which wait for the
-    dataset size (`with_steps`). Pure: `cfg` is not changed; the adopted config comes back in the result."""
-    ds = copy.deepcopy(raw)
+    """Normalise the key names, fill every "auto" the HF Trainer fills (except the scheduler's step counts,
+    which wait for the dataset size: `with_steps`), refuse what DeepSpeed would silently ignore, and validate
+    the result with DeepSpeed's own config models. Pure: `cfg` is not changed; the adopted config comes back."""
+    ds, renamed = ds_schema.normalise(raw)
     r = Resolver(cfg, explicit)
+    r.notes += renamed
     _resolve_precision(ds, r)
     _resolve_batch(ds, r, world_size)
     r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
@@ -134,6 +143,8 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
             + "; ".join(r.conflicts)
             + ' (set those keys to "auto" or change the recipe)'
         )
+    r.notes += ds_schema.refuse_ignored(ds)
+    ds_schema.validate(ds, SIZED_BY_AUTO)
     return Resolved(ds, r.cfg, tuple(r.notes))
 
 
@@ -223,34 +234,25 @@ def _resolve_optimizer(ds: dict, r: Resolver) -> None:
             r.match({"b": b[i]}, "b", getattr(r.cfg, name), name, f"optimizer.params.betas[{i}]")
 
 
+# zero_optimization keys whose "auto" is sized from the model's hidden size h, as the HF Trainer does.
+# Keys are in ds_schema's canonical spelling (names are normalised before resolution).
+ZERO_AUTO_SIZES = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+SIZED_BY_AUTO = frozenset(f"zero_optimization.{k}" for k in ZERO_AUTO_SIZES)
+
+
 def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) -> None:
-    autos = [
-        k
-        for k in (
-            "reduce_bucket_size",
-            "stage3_prefetch_bucket_size",
-            "prefetch_bucket_size",
-            "stage3_param_persistence_threshold",
-            "param_persistence_threshold",
-        )
-        if z.get(k) == AUTO
-    ]
+    autos = [k for k in ZERO_AUTO_SIZES if z.get(k) == AUTO]
     if autos and not hidden_size:
         raise ConfigError(
             f"zero_optimization {', '.join(autos)} are 'auto' but the model config has no "
             "hidden_size; give them numeric values"
         )
-    if hidden_size:
-        h = hidden_size
-        for key, value in (
-            ("reduce_bucket_size", h * h),
-            ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
-            ("prefetch_bucket_size", int(0.9 * h * h)),
-            ("stage3_param_persistence_threshold", 10 * h),
-            ("param_persistence_threshold", 10 * h),
-        ):
-            if z.get(key) == AUTO:
-                z[key] = value
+    for key in autos:
+        z[key] = ZERO_AUTO_SIZES[key](hidden_size)
     for key in ("offload_optimizer", "offload_param"):
         block = z.get(key)
         if isinstance(block, dict) and block.get("nvme_path") == AUTO:
@@ -261,11 +263,11 @@ def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) ->
                     'the DeepSpeed config offloads to NVMe with nvme_path "auto"; give --nvme_path /local/nvme/dir'
                 )
             else:
-                block["nvme_path"] = r.cfg.nvme_path
-                Path(r.cfg.nvme_path).mkdir(parents=True, exist_ok=True)
+                block["nvme_path"] = r.cfg.nvme_path  # whether it exists is ds_schema.machine_problems' question
     if zero_stage(ds) == 3:
         # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
-        # `save_16bit_model` usable too, as HF configs expect.
+        # `save_16bit_model` usable too, as HF configs expect. Safe: the names were normalised, so a file
+        # spelling it `gather_16bit_weights_on_model_save` now has this key, and setdefault keeps its value.
         z.setdefault("stage3_gather_16bit_weights_on_model_save", True)
 
 
