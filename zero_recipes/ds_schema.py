@@ -240,11 +240,15 @@ def describe(err: dict, block: str, model: Optional[type], sized_by_auto: frozen
     if kind == "extra_forbidden":
         known = _spellings_at(model, loc[:-1]) if model is not None else []
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.75)
-        fix = (
-            f"did you mean '{close[0]}'?"
-            if close
-            else "remove it; the keys DeepSpeed reads are in its config-json docs"
-        )
+        home = [
+            k for k, m in block_models().items() if k != block and not loc[:-1] and loc[-1] in names_of(m).canonical
+        ]
+        if close:
+            fix = f"did you mean '{close[0]}'?"
+        elif home:
+            fix = f"it is a {home[0]} setting; remove it here"
+        else:
+            fix = "remove it"
         return f"{path} is not a key DeepSpeed reads there ({fix})"
     accepts = (
         _ACCEPTS[kind].format(**ctx)
@@ -314,7 +318,7 @@ def refuse_ignored(ds: dict) -> list[str]:
         )
     _refuse_unsupported_parallelism(ds)
     _refuse_unknown_optimizer(ds)
-    return _ignored_knobs(z, stage) + _ignored_blocks(ds)
+    return _unknown_top_level(ds) + _ignored_knobs(z, stage) + _ignored_blocks(ds)
 
 
 def _refuse_unsupported_parallelism(ds: dict) -> None:
@@ -330,6 +334,12 @@ def _refuse_unsupported_parallelism(ds: dict) -> None:
         raise ConfigError(
             f"sequence_parallel_size = {sp}: Ulysses sequence parallelism is not supported by train.py yet; "
             "remove sequence_parallel_size or set it to 1"
+        )
+    lf = ds.get("sequence_parallel")
+    if isinstance(lf, dict) and lf.get("enabled"):  # LLaMA-Factory's own block; DeepSpeed never reads it
+        raise ConfigError(
+            '"sequence_parallel" is LLaMA-Factory\'s block (its own code reads it, DeepSpeed does not) and '
+            "train.py has no sequence parallelism yet; remove the block"
         )
 
 
@@ -352,6 +362,51 @@ def _refuse_unknown_optimizer(ds: dict) -> None:
             f"optimizer.type = {name!r} is neither a DeepSpeed optimizer ({', '.join(choices)}) nor in torch.optim; "
             'use "AdamW", or delete the "optimizer" block'
         )
+
+
+# Top-level keys DeepSpeed has no constant for (read as literals in runtime/config.py or by HF/accelerate).
+_LITERAL_TOP_LEVEL = {"pipeline", "tensor_parallel", "sequence_parallel_size", "weight_quantization", "compile"}
+_CONSTANT_MODULES = (
+    "deepspeed.runtime.constants",
+    "deepspeed.runtime.activation_checkpointing.config",
+    "deepspeed.profiling.constants",
+    "deepspeed.autotuning.constants",
+    "deepspeed.runtime.swap_tensor.constants",
+    "deepspeed.runtime.data_pipeline.constants",
+    "deepspeed.utils.config",
+    "deepspeed.runtime.zero.config",
+    "deepspeed.runtime.config",
+    "deepspeed.comm.constants",
+)
+
+
+def known_top_level() -> set[str]:
+    """Every name DeepSpeed's config modules define as a constant, plus the blocks read through models. A
+    superset of the top-level keys (it holds nested names too): enough to tell a typo from an unknown key."""
+    import importlib
+
+    known = set(block_models()) | _LITERAL_TOP_LEVEL
+    for name in _CONSTANT_MODULES:
+        module = importlib.import_module(name)
+        known |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
+    return known
+
+
+def _unknown_top_level(ds: dict) -> list[str]:
+    """A key one letter off a DeepSpeed key is a typo that would silently drop the whole block (a misspelt
+    "zero_optimization" trains at ZeRO-0): refused. Other unknown keys (other tools' own blocks) are noted."""
+    known = known_top_level()
+    notes = []
+    for key in ds:
+        if key in known or key.startswith("_"):  # "_comment" keys are a common JSON idiom
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(
+                f"the DeepSpeed config's top-level key '{key}' is not one DeepSpeed reads; did you mean '{close[0]}'?"
+            )
+        notes.append(f"top-level key '{key}' is not read by DeepSpeed; ignored")
+    return notes
 
 
 def _ignored_knobs(z: dict, stage: int) -> list[str]:
