@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import checkpoint, data, distributed, ds_schema, loop, memory, metrics, model as modeling
+from zero_recipes import checkpoint, data, distributed, ds_checks, loop, memory, metrics, model as modeling
 from zero_recipes.config import ConfigError, help_text
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
     if cfg.dry_run:
         return dry_run(plan, log)
-    if problems := ds_schema.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
+    if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
     report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
     for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
@@ -177,7 +177,7 @@ def dry_run(plan: RunPlan, log) -> int:
     log(json.dumps(ds, indent=2))
     for note in notes:
         log(f"note: {note}")
-    for problem in ds_schema.machine_problems(ds):
+    for problem in ds_checks.machine_problems(ds):
         log(f"warning: this machine cannot train it: {problem}")
     steps = (
         str(cfg.max_steps)

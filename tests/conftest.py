@@ -39,7 +39,10 @@ def trained(tmp_path_factory):
             if name == "zero3+nvme" and not aio_available():
                 pytest.skip("NVMe offload needs libaio: apt-get install libaio-dev (not a pass: not run here)")
             out = tmp_path_factory.mktemp(f"{name}-{precision}")
-            extra = ["--nvme_path", str(out / "nvme")] if "nvme" in name else []
+            extra = []
+            if "nvme" in name:  # an NVMe directory must exist, as on a real machine (train.py does not create it)
+                (out / "nvme").mkdir()
+                extra = ["--nvme_path", str(out / "nvme")]
             # a checkpoint at step 4 too, so resume tests can start from these runs' middle
             runs[name, precision] = launch(
                 FAST

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import ds_schema
+from . import ds_checks, ds_schema
 from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
 
 AUTO = "auto"
@@ -25,7 +25,7 @@ def load_fragments(paths: list[str]) -> dict:
     for path in paths:
         p = resolve_path(path)
         if p.is_dir():
-            inside = ", ".join(sorted(x.name for x in p.glob("*.json"))[:6]) or "no .json files"
+            inside = ", ".join(sorted(x.name for x in p.glob("*.json"))) or "no .json files"
             raise ConfigError(f"--deepspeed {path} is a directory ({inside}); give the JSON file(s) to merge")
         if not p.is_file():
             shipped = ", ".join(sorted(x.name for x in (REPO_ROOT / "ds_configs").glob("*.json")))
@@ -143,7 +143,7 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
             + "; ".join(r.conflicts)
             + ' (set those keys to "auto" or change the recipe)'
         )
-    r.notes += ds_schema.refuse_ignored(ds)
+    r.notes += ds_checks.refuse_ignored(ds)
     ds_schema.validate(ds, SIZED_BY_AUTO)
     return Resolved(ds, r.cfg, tuple(r.notes))
 

@@ -117,3 +117,31 @@ def test_model_config_vocab_smaller_than_the_tokenizer(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
     assert "tokenizer has 4096 tokens but the model's vocab_size is 100" in errors[0]
     assert not out.exists()
+
+
+def test_output_dir_that_is_a_file_or_not_writable(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("the user's file")
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--output_dir", str(a_file)))
+    assert f"--output_dir {a_file} is a file, not a directory" in line
+    assert a_file.read_text() == "the user's file"
+    # sysfs refuses new files even to root, as a read-only mount does
+    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--output_dir", "/sys/zero-recipes-run"))
+    assert "cannot write in /sys" in line and "choose a directory you can write to" in line
+
+
+def test_deepspeed_path_that_is_a_directory():
+    line = one_error_line(run_train("--deepspeed", "ds_configs", "--dry_run"))
+    assert "--deepspeed ds_configs is a directory" in line and "zero3.json" in line
+
+
+def test_nvme_path_that_does_not_exist_is_not_created(tmp_path):
+    nvme, out = tmp_path / "nvme", tmp_path / "out"
+    line = one_error_line(
+        run_train(
+            "--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json", "--nvme_path", str(nvme),
+            "--output_dir", str(out),
+        )
+    )  # fmt: skip
+    assert f"nvme_path {nvme} does not exist; create it on the NVMe drive" in line
+    assert not nvme.exists() and not out.exists()

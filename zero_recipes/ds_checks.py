@@ -1,0 +1,217 @@
+"""What DeepSpeed would accept and then not do, and what this machine cannot run: refused before any process group.
+
+- `refuse_ignored`: combinations DeepSpeed 0.19.8 accepts and silently ignores (offload_param below ZeRO-3, ZeRO++
+  below ZeRO-3, ...), modes train.py cannot lay its data out for yet, removed optimizers, misspelt top-level keys.
+- `machine_problems`: the precision's kernels, NVMe offload's async_io op and directory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from .config import ConfigError
+from .ds_schema import block_models
+
+# DeepSpeed 0.19.8 removed these optimizers without a message (runtime/engine.py `_configure_basic_optimizer`
+# falls through to getattr(torch.optim, name) and raises AttributeError); named here so the line can say so.
+REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
+
+
+def refuse_ignored(ds: dict) -> list[str]:
+    """Raise for settings DeepSpeed would accept and then not honour at this ZeRO stage (the user would train
+    believing they are on); return notes for the ignored tuning knobs that change nothing but speed."""
+    z = ds.get("zero_optimization") or {}
+    stage = int(z.get("stage", 0))
+    device = {k: (z.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+    if device["offload_param"] not in (None, "none") and stage != 3:
+        raise ConfigError(
+            f"offload_param needs ZeRO-3; at ZeRO-{stage} DeepSpeed ignores it and offloads nothing. Use "
+            "ds_configs/zero3.json with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2"
+        )
+    if device["offload_optimizer"] not in (None, "none") and stage == 0:
+        raise ConfigError(
+            "offload_optimizer needs ZeRO-1, 2 or 3; at ZeRO-0 DeepSpeed ignores it. Use ds_configs/zero2.json "
+            "with ds_configs/offload_optimizer.json"
+        )
+    zeropp = [
+        k
+        for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+        if z.get(k)
+    ]
+    zeropp += ["zero_hpz_partition_size"] if int(z.get("zero_hpz_partition_size", 1) or 1) > 1 else []
+    if zeropp and stage != 3:
+        raise ConfigError(
+            f"ZeRO++ ({', '.join(zeropp)}) works only with ZeRO-3; at ZeRO-{stage} DeepSpeed ignores it. "
+            "Remove those keys or use ds_configs/zero3.json"
+        )
+    _refuse_unsupported_parallelism(ds)
+    _refuse_unknown_optimizer(ds)
+    return _unknown_top_level(ds) + _ignored_knobs(z, stage) + _ignored_blocks(ds)
+
+
+def _refuse_unsupported_parallelism(ds: dict) -> None:
+    tp = (ds.get("tensor_parallel") or {}).get("autotp_size", 0) or 0
+    if int(tp) > 1:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size = {tp}: tensor parallelism is not supported by train.py yet (its batches "
+            "are sharded by rank, and AutoTP needs every rank of a group to see the same batch); remove "
+            '"tensor_parallel" or set autotp_size to 1'
+        )
+    sp = ds.get("sequence_parallel_size", 1) or 1
+    if int(sp) > 1:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp}: Ulysses sequence parallelism is not supported by train.py yet; "
+            "remove sequence_parallel_size or set it to 1"
+        )
+    lf = ds.get("sequence_parallel")
+    if isinstance(lf, dict) and lf.get("enabled"):  # LLaMA-Factory's own block; DeepSpeed never reads it
+        raise ConfigError(
+            '"sequence_parallel" is LLaMA-Factory\'s block (its own code reads it, DeepSpeed does not) and '
+            "train.py has no sequence parallelism yet; remove the block"
+        )
+
+
+def _refuse_unknown_optimizer(ds: dict) -> None:
+    opt = ds.get("optimizer")
+    if not isinstance(opt, dict) or "type" not in opt:
+        return
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    name = str(opt["type"])
+    if name.lower() in REMOVED_OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.type = {name!r}: {REMOVED_OPTIMIZERS[name.lower()]} was removed from DeepSpeed 0.19; use "
+            '"AdamW" (or delete the "optimizer" block: train.py then builds torch AdamW as the HF Trainer does)'
+        )
+    if name.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, name):
+        choices = sorted({o.capitalize() for o in DEEPSPEED_OPTIMIZERS} | {"AdamW", "SGD"})
+        raise ConfigError(
+            f"optimizer.type = {name!r} is neither a DeepSpeed optimizer ({', '.join(choices)}) nor in torch.optim; "
+            'use "AdamW", or delete the "optimizer" block'
+        )
+
+
+# Top-level keys DeepSpeed has no constant for (read as literals in runtime/config.py or by HF/accelerate).
+_LITERAL_TOP_LEVEL = {"pipeline", "tensor_parallel", "sequence_parallel_size", "weight_quantization", "compile"}
+_CONSTANT_MODULES = (
+    "deepspeed.runtime.constants",
+    "deepspeed.runtime.activation_checkpointing.config",
+    "deepspeed.profiling.constants",
+    "deepspeed.autotuning.constants",
+    "deepspeed.runtime.swap_tensor.constants",
+    "deepspeed.runtime.data_pipeline.constants",
+    "deepspeed.utils.config",
+    "deepspeed.runtime.zero.config",
+    "deepspeed.runtime.config",
+    "deepspeed.comm.constants",
+)
+
+
+def known_top_level() -> set[str]:
+    """Every name DeepSpeed's config modules define as a constant, plus the blocks read through models. A
+    superset of the top-level keys (it holds nested names too): enough to tell a typo from an unknown key."""
+    import importlib
+
+    known = set(block_models()) | _LITERAL_TOP_LEVEL
+    for name in _CONSTANT_MODULES:
+        module = importlib.import_module(name)
+        known |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
+    return known
+
+
+def _unknown_top_level(ds: dict) -> list[str]:
+    """A key one letter off a DeepSpeed key is a typo that would silently drop the whole block (a misspelt
+    "zero_optimization" trains at ZeRO-0): refused. Other unknown keys (other tools' own blocks) are noted."""
+    known = known_top_level()
+    notes = []
+    for key in ds:
+        if key in known or key.startswith("_"):  # "_comment" keys are a common JSON idiom
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(
+                f"the DeepSpeed config's top-level key '{key}' is not one DeepSpeed reads; did you mean '{close[0]}'?"
+            )
+        notes.append(f"top-level key '{key}' is not read by DeepSpeed; ignored")
+    return notes
+
+
+def _ignored_knobs(z: dict, stage: int) -> list[str]:
+    """Tuning keys only one kind of stage reads (runtime/engine.py `_configure_zero_optimizer`: the stage-3
+    optimizer takes the stage3_*/sub_group_size/offload_param knobs, stages 1-2 round_robin_gradients)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    stage3_only = {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if (f.alias or "").startswith("stage3_")}
+    stage3_only |= {"sub_group_size"}
+    if stage == 3:
+        ignored = [k for k in ("round_robin_gradients",) if z.get(k)]
+    else:
+        ignored = sorted(k for k in z if k in stage3_only)
+    return [
+        f"zero_optimization.{k} is read only at ZeRO-{'1/2' if stage == 3 else 3}; ignored at ZeRO-{stage}"
+        for k in ignored
+    ]
+
+
+def _ignored_blocks(ds: dict) -> list[str]:
+    ac = ds.get("activation_checkpointing") or {}
+    if any(ac.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")):
+        return [
+            "activation_checkpointing is DeepSpeed's own checkpointing API, which Hugging Face models do not call; "
+            "it is ignored here as in the HF Trainer. Use --gradient_checkpointing true"
+        ]
+    return []
+
+
+# ---- this machine -------------------------------------------------------------------------------------------
+
+
+def machine_problems(ds: dict) -> list[str]:
+    """What this machine cannot run, found before any process group or model: the precision's kernels, and
+    NVMe offload's async_io op and directory."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    precision = (
+        "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32"
+    )
+    problems = precision_problems(precision, acc.device_name(), acc.is_fp16_supported(), acc.is_bf16_supported())
+    z = ds.get("zero_optimization") or {}
+    nvme = [z[k] for k in ("offload_optimizer", "offload_param") if (z.get(k) or {}).get("device") == "nvme"]
+    if nvme:
+        builder = acc.create_op_builder("AsyncIOBuilder")
+        if builder is None or not builder.is_compatible(verbose=False):
+            problems.append(
+                "NVMe offload needs DeepSpeed's async_io op, which cannot be built here: install libaio "
+                "(apt install libaio-dev) and run python tools/build_ops.py, or offload to cpu (ds_configs/offload_all.json)"
+            )
+        for path in sorted({str(block.get("nvme_path")) for block in nvme}):
+            problems += path_problems(path)
+    return problems
+
+
+def precision_problems(precision: str, device: str, fp16_ok: bool, bf16_ok: bool) -> list[str]:
+    if precision == "fp16" and not fp16_ok:
+        return [
+            f"this {device} has no fp16 support in DeepSpeed; use ds_configs/bf16.json, or fp32 (no precision fragment)"
+        ]
+    if precision == "bf16" and not bf16_ok:
+        return [
+            f"this {device} has no bf16 support (NVIDIA GPUs need compute capability 8.0, A100 or newer); use "
+            "ds_configs/fp16.json, or fp32 (no precision fragment)"
+        ]
+    return []
+
+
+def path_problems(nvme_path: str) -> list[str]:
+    p = Path(nvme_path)
+    if not p.exists():
+        return [f"nvme_path {nvme_path} does not exist; create it on the NVMe drive (mkdir -p {nvme_path})"]
+    if not p.is_dir():
+        return [f"nvme_path {nvme_path} is not a directory; give a directory on the NVMe drive (--nvme_path)"]
+    if not os.access(p, os.W_OK | os.X_OK):
+        return [f"nvme_path {nvme_path} is not writable by this user; give a directory you can write to (--nvme_path)"]
+    return []
