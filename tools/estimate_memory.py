@@ -16,9 +16,15 @@ benchmarks/estimator.md); activations are traced through the installed transform
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
+
+# DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds_schema.py)
+# imports it: bound to stderr here, so stdout (--json) carries the estimate alone.
+with contextlib.redirect_stdout(sys.stderr):
+    import deepspeed  # noqa: F401
 
 from zero_recipes import shipped
 from zero_recipes.config import ConfigError
