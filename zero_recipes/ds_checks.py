@@ -139,20 +139,36 @@ def _unknown_top_level(ds: dict) -> list[str]:
     return notes
 
 
+# Which ZeRO optimizer reads which knob: runtime/engine.py `_configure_zero_optimizer` passes these to
+# DeepSpeedZeroOptimizer (stages 1-2) only; DeepSpeedZeroOptimizer_Stage3 and zero.Init take the stage3_* ones,
+# sub_group_size and the persistence thresholds. DeepSpeed has no table of this; it is read off those calls.
+STAGE12_ONLY = (
+    "round_robin_gradients",
+    "allgather_bucket_size",
+    "use_multi_rank_bucket_allreduce",
+    "ignore_unused_parameters",
+    "parameter_alignment",
+    "legacy_stage1",
+)
+
+
 def _ignored_knobs(z: dict, stage: int) -> list[str]:
-    """Tuning keys only one kind of stage reads (runtime/engine.py `_configure_zero_optimizer`: the stage-3
-    optimizer takes the stage3_*/sub_group_size/offload_param knobs, stages 1-2 round_robin_gradients)."""
+    """Keys set to something other than DeepSpeed's default that the chosen stage never reads: a note each
+    (they change nothing, and a user tuning them should know)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    stage3_only = {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if (f.alias or "").startswith("stage3_")}
-    stage3_only |= {"sub_group_size"}
-    if stage == 3:
-        ignored = [k for k in ("round_robin_gradients",) if z.get(k)]
+    fields = {f.alias or name: f for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    stage3_only = {k for k in fields if k.startswith("stage3_")} | {"sub_group_size"}
+    if stage == 0:
+        readers = {k: "ZeRO-1/2/3" for k in z if k != "stage" and k in fields}
+    elif stage == 3:
+        readers = {k: "ZeRO-1/2" for k in STAGE12_ONLY}
     else:
-        ignored = sorted(k for k in z if k in stage3_only)
+        readers = {k: "ZeRO-3" for k in stage3_only}
     return [
-        f"zero_optimization.{k} is read only at ZeRO-{'1/2' if stage == 3 else 3}; ignored at ZeRO-{stage}"
-        for k in ignored
+        f"zero_optimization.{k} is read only at {readers[k]}; ignored at ZeRO-{stage}"
+        for k in sorted(z)
+        if k in readers and z[k] != fields[k].default
     ]
 
 

@@ -154,7 +154,7 @@ def test_what_is_allowed_passes_with_notes_for_ignored_knobs():
     notes = ds_checks.refuse_ignored(
         {
             **ZERO,
-            "zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9},
+            "zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e8, "sub_group_size": 1e8},
             "activation_checkpointing": {"partition_activations": True},
             "monitor_config": {"enabled": True},
         }
@@ -163,8 +163,14 @@ def test_what_is_allowed_passes_with_notes_for_ignored_knobs():
     assert any("stage3_max_live_parameters is read only at ZeRO-3; ignored at ZeRO-2" in n for n in notes)
     assert any("sub_group_size" in n for n in notes)
     assert any("--gradient_checkpointing" in n for n in notes)
-    notes = ds_checks.refuse_ignored({**ZERO, "zero_optimization": {"stage": 3, "round_robin_gradients": True}})
-    assert notes == ["zero_optimization.round_robin_gradients is read only at ZeRO-1/2; ignored at ZeRO-3"]
+    z3 = {"stage": 3, "round_robin_gradients": True, "allgather_bucket_size": 2e8, "ignore_unused_parameters": True}
+    notes = ds_checks.refuse_ignored({**ZERO, "zero_optimization": z3})
+    assert notes == [  # ignore_unused_parameters true is DeepSpeed's default: ignoring it changes nothing
+        "zero_optimization.allgather_bucket_size is read only at ZeRO-1/2; ignored at ZeRO-3",
+        "zero_optimization.round_robin_gradients is read only at ZeRO-1/2; ignored at ZeRO-3",
+    ]
+    notes = ds_checks.refuse_ignored({**ZERO, "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e7}})
+    assert notes == ["zero_optimization.reduce_bucket_size is read only at ZeRO-1/2/3; ignored at ZeRO-0"]
 
 
 def test_machine_precision_and_nvme_problems(tmp_path):
