@@ -145,3 +145,13 @@ def test_nvme_path_that_does_not_exist_is_not_created(tmp_path):
     )  # fmt: skip
     assert f"nvme_path {nvme} does not exist; create it on the NVMe drive" in line
     assert not nvme.exists() and not out.exists()
+
+
+def test_dry_run_warns_what_this_machine_cannot_train(tmp_path):
+    nvme = tmp_path / "nvme"
+    proc = run_train(
+        "--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json", "--nvme_path", str(nvme), "--dry_run"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"warning: this machine cannot train it: nvme_path {nvme} does not exist" in proc.stdout
+    assert not nvme.exists()
