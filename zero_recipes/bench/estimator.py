@@ -4,7 +4,7 @@ Each point launches zero_recipes/bench/memory_probe.py through the real launcher
 records every allocation of the CPU allocator during init, forward/backward and the optimizer step. On
 the CPU accelerator device and host are one pool, so the comparison is measured peak vs the estimate's
 device + host bytes of one rank, at the phase where the measurement peaked, for the most loaded rank.
-The estimate runs with `adam_temporaries=True`: a CPU steps with torch's single-tensor AdamW.
+The estimate runs with `accelerator="cpu"`: a CPU steps with torch's single-tensor AdamW.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def predict(point, measured: dict) -> dict:
 
     model, _config, _precision, ranks, micro, seq, gc = point
     config = AutoConfig.for_model("llama", **MODELS[model])
-    e = estimate(config, measured["ds_config"], Launch(ranks, 1, micro, seq, gc, "sdpa", adam_temporaries=True))
+    e = estimate(config, measured["ds_config"], Launch(ranks, 1, micro, seq, gc, "sdpa", accelerator="cpu"))
     rank = max(measured["ranks"], key=lambda r: max(r["peak"].values()))
     phase = max(rank["peak"], key=rank["peak"].get)
     got, want = rank_total(e, phase), rank["peak"][phase]

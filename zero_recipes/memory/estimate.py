@@ -74,7 +74,9 @@ class Launch:
     seq_len: int = 2048
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
-    adam_temporaries: bool = False  # True on a CPU (single-tensor AdamW); CUDA uses fused AdamW
+    accelerator: str = "gpu"
+    """"gpu": device and host apart, by DeepSpeed's GPU code path (states.gpu_phases). "cpu": the CPU accelerator's
+    one pool, with torch's single-tensor AdamW temporaries (states.cpu_phases), for checking against CPU runs."""
 
     @property
     def world(self) -> int:
@@ -129,7 +131,8 @@ def estimate(
         off_opt,
         off_par,
         zero,
-        launch.adam_temporaries,
+        adam_temporaries=launch.accelerator == "cpu",  # CUDA steps with fused AdamW, a CPU with single-tensor
+        accelerator=launch.accelerator,
     )
     by_phase = phases(setup)
     if activations is None:
@@ -166,8 +169,12 @@ def estimate(
     init_host = 4 * shape.num_params if stage < 3 else min(5 * 10**9, 2 * shape.num_params)
     nvme = {off_opt, off_par} & {"nvme"}
     offloaded_to_host = 0 if nvme else host_states
+    # pin_memory defaults to true in DeepSpeed 0.19.8 (runtime/zero/offload_config.py): pinned unless a file says false
     pinned = any(
-        isinstance(zero.get(k), dict) and zero[k].get("pin_memory") for k in ("offload_optimizer", "offload_param")
+        isinstance(zero.get(k), dict)
+        and zero[k].get("device") not in (None, "none")
+        and zero[k].get("pin_memory", True)
+        for k in ("offload_optimizer", "offload_param")
     )
     per_node = {
         "cpu_bytes": launch.num_gpus * max(offloaded_to_host, init_host),
@@ -241,6 +248,8 @@ def training_compute(
 def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, str]:
     """tools/estimate_memory.py's estimate for this train.py run (GPU: with torch's fused AdamW), and it in one
     line for the log. (None, why) when it cannot be made: an estimate must never stop a run."""
+    import torch
+
     try:
         e = estimate(
             model_config,
@@ -252,6 +261,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 cfg.block_size,
                 cfg.gradient_checkpointing,
                 cfg.attn_implementation or "sdpa",
+                "gpu" if torch.cuda.is_available() else "cpu",
             ),
         )
     except Exception as err:  # noqa: BLE001

@@ -1,9 +1,12 @@
 """Model states and DeepSpeed's own buffers on one rank, by ZeRO stage, offload and phase.
 
-Bytes per parameter (Psi) follow the ZeRO paper (arXiv 1910.02054) where DeepSpeed does what the paper
-says, and DeepSpeed 0.19.8's code where it does more. Every term below was checked against the torch
-profiler's allocator events of real DeepSpeed runs on the CPU accelerator (zero_recipes/bench/memory_probe.py,
-N = 1, 2, 4 ranks); the constants that are measured rather than derived say so.
+Two accountings, because host and device are one pool on the CPU accelerator and two on a GPU:
+
+- `gpu_phases`: what lives on the GPU and what on the host, term by term from DeepSpeed 0.19.8's code (each
+  term cites the file and function that allocates it). This is what tools/estimate_memory.py reports.
+- `cpu_phases`: the one-pool totals, checked against the torch profiler's allocator events of real DeepSpeed
+  runs on the CPU accelerator (zero_recipes/bench/memory_probe.py, N = 1, 2, 4 ranks; benchmarks/estimator.md);
+  the constants that are measured rather than derived say so. It checks the sums, not the device/host split.
 
 p: bytes of a training parameter (2 in bf16/fp16, 4 in fp32). N: data-parallel ranks. F: the largest
 single parameter (usually the embedding). Adam's two moments are fp32 (8 B), so is the master copy (4 B).
@@ -31,6 +34,7 @@ class Setup:
     # steps (sqrt, then the division): 8 B per element. Fused AdamW on CUDA and DeepSpeedCPUAdam allocate none.
     adam_temporaries: bool = False
     zero_init: bool = True  # ZeRO-3 builds the model straight into partitions
+    accelerator: str = "gpu"  # "gpu": device and host apart (gpu_phases); "cpu": one pool (cpu_phases)
 
 
 @dataclass
@@ -65,7 +69,14 @@ def _split(total: float, states: float, host: float) -> PhaseBytes:
 
 
 def phases(s: Setup) -> dict[str, PhaseBytes]:
-    """Bytes of one rank in each phase (plus "steady": what stays between steps), activations excluded.
+    """Bytes of one rank in each phase (plus "steady" and "forward"), activations excluded."""
+    if s.accelerator == "cpu" or s.stage == 0:  # ZeRO-0: no ZeRO optimizer, nothing on the host either way
+        return cpu_phases(s)
+    return gpu_phases(s)
+
+
+def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
+    """The CPU accelerator's one pool: bytes of one rank in each phase, activations excluded.
     Totals are per parameter; `states` and `host` follow the paper's accounting, `buffers` are the rest.
     One branch per ZeRO stage and offload, kept in one function (over 60 lines) so the accounting of the
     cases reads side by side."""
@@ -164,3 +175,82 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         host["steady"],
     )
     return {k: _split(total[k] * P, states[k] * P, host[k] * P) for k in total}
+
+
+def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
+    """ZeRO-1/2/3 on a GPU: device and host bytes of one rank per phase, from DeepSpeed 0.19.8's code paths.
+    Paths are under deepspeed/runtime/. Over 60 lines: the terms of each stage read side by side."""
+    P, N, p, f = s.num_params, s.world, s.bytes_per_param, s.largest_param / s.num_params
+    off_opt, off_par = s.offload_optimizer is not None, s.offload_param is not None
+    rbs = _bucket(s.zero, "reduce_bucket_size", 5e8) / P  # elements per parameter
+    dev: dict[str, list[float]] = {}  # phase -> [device states, device buffers, host states, host buffers]
+    if s.stage in (1, 2):
+        # engine.py `_configure_distributed_model`: the module is cast to 16 bits on the host
+        # (`_cast_module_mixed_precision`) and only then moved (`self.module.to(self.device)`): p on the device,
+        # never the fp32 copy. zero/stage_1_and_2.py `DeepSpeedZeroOptimizer.__init__`: the params become views
+        # of `bit16_groups_flat`, and the fp32 master partition `single_partition_of_fp32_groups` is made on
+        # `self.device`, the host under offload_optimizer.
+        master_dev = 0 if off_opt else 4 / N
+        # torch AdamW (or DeepSpeedCPUAdam under offload) makes exp_avg and exp_avg_sq at the first step: 8/N
+        adam_dev = 0 if off_opt else 8 / N
+        # ZeRO-2 `copy_grads_in_partition`: `grads_in_partition`, p/N, allocated at the first backward and kept
+        # (on the device without offload; with offload the reduced grads go to the host's fp32 grad partition)
+        grad_part = p / N if (s.stage == 2 and not off_opt) else 0
+        # offload: `temp_grad_buffer_for_gpu_offload`, the largest param's size, on the device
+        staging_dev = p * f if off_opt else 0
+        steady = p + master_dev + adam_dev + grad_part
+        # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype
+        buckets = rbs * p * (2 if s.zero.get("overlap_comm") else 1)
+        # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad (p) is alive until then;
+        # ZeRO-2 reduces in buckets as grads arrive: the param in flight and its copy (2pf) plus the buckets
+        in_flight = p if s.stage == 1 else 2 * p * f
+        # host: master 4/N and its grad 4/N (`initialize_optimizer_states`, pinned when pin_memory), Adam 8/N;
+        # buffers: `param_buffer_of_bit16_for_cpu_offload_groups` p/N, `temp_grad_buffer_for_cpu_offload` pf
+        host_states = 16 / N if off_opt else 0
+        host_buffers = (p / N + p * f) if off_opt else 0
+        dev = {
+            # `bit16_groups_flat` is flattened on the device only when `available_memory()` has room for the
+            # copy, else on the host (`flatten_on_accelerator`): the copy never sets a peak. Adam not made yet.
+            "init": [p + master_dev, 0, host_states / 2, host_buffers],
+            "steady": [steady, staging_dev, host_states, host_buffers],
+            "forward": [steady, staging_dev, host_states, host_buffers],
+            "forward_backward": [
+                steady + (p if s.stage == 1 else 0),
+                staging_dev + buckets + in_flight,
+                host_states,
+                host_buffers,
+            ],
+            # `step`: the fp32 grad partition (4/N, `get_flat_partition`) next to the 16-bit one on the device
+            "optimizer_step": [
+                steady + (0 if off_opt else 4 / N),
+                staging_dev + (0 if off_opt else p / N),
+                host_states,
+                host_buffers,
+            ],
+        }
+    else:
+        # zero/partition_parameters.py `Init`: each module is built, then partitioned; p/N params stay, on the
+        # host (pinned, stage3.py `_create_param_groups_fp16_flat_cpu_memory`) under offload_param.
+        params_dev = 0 if off_par else p / N
+        # stage3.py `DeepSpeedZeroOptimizer_Stage3`: `grad_partitions_flat_buffer` p/N and the fp32 partitions
+        # (`_create_fp32_partitions`, 4/N) on `self.device`, the host under offload_optimizer; Adam 8/N with them
+        opt_dev = 0 if off_opt else (p + 12) / N
+        # the sub-group's fp32 grad during `step` (`_prepare_fp32_grad_for_sub_group`): sub_group_size at most
+        sub_group = 4 * min(_bucket(s.zero, "sub_group_size", 1e9) / P, 1 / N)
+        cap = (
+            _bucket(s.zero, "stage3_max_live_parameters", 1e9) + _bucket(s.zero, "stage3_prefetch_bucket_size", 5e7)
+        ) / P
+        gathered = p * min(1 - 1 / N, cap)  # other ranks' shards held between use and release
+        bucket = rbs * p  # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients
+        steady = params_dev + opt_dev
+        host_states = (p / N if off_par else 0) + ((p + 16) / N if off_opt else 0)
+        host_step = sub_group if off_opt else 0
+        dev = {
+            # a module is built in fp32 before it is partitioned: at most the largest param at 4 B
+            "init": [params_dev + (0 if off_opt else (p + 4) / N), 4 * f, host_states - (8 / N if off_opt else 0), 0],
+            "steady": [steady, 0, host_states, 0],
+            "forward": [steady, gathered, host_states, 0],
+            "forward_backward": [steady, gathered + bucket + 2 * p * f, host_states, 0],
+            "optimizer_step": [steady, 0 if off_opt else sub_group, host_states, host_step],
+        }
+    return {k: PhaseBytes(int(a * P), int(b * P), int(c * P), int(d * P)) for k, (a, b, c, d) in dev.items()}
