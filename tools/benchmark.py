@@ -13,6 +13,9 @@
     # tools/estimate_memory.py against real DeepSpeed runs on the CPU (benchmarks/estimator.md)
     python tools/benchmark.py estimator                 # --quick: 2 points
 
+    # tools/estimate_memory.py against published GPU measurements (benchmarks/estimator-gpu-public.md)
+    python tools/benchmark.py estimator-public          # from benchmarks/estimator-gpu-public.json
+
     # overlap_comm and bucket sizes: tokens/s and loss parity against the shipped configs
     python tools/benchmark.py settings                  # --quick: tiny model, 4 steps
 
@@ -25,13 +28,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zero_recipes.bench import data, estimator, export, gpu, settings, speed
+from zero_recipes.bench import data, estimator, estimator_public, export, gpu, settings, speed
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, speed, settings, gpu):
+    for module in (data, export, estimator, estimator_public, speed, settings, gpu):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
