@@ -240,7 +240,9 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         cap = (
             _bucket(s.zero, "stage3_max_live_parameters", 1e9) + _bucket(s.zero, "stage3_prefetch_bucket_size", 5e7)
         ) / P
-        gathered = p * min(1 - 1 / N, cap)  # other ranks' shards held between use and release
+        # params gathered between use and release: the other ranks' shards, and under offload_param this rank's
+        # own too (its partition lives on the host and is fetched for compute), up to the live cap
+        gathered = p * min(1.0 if off_par else 1 - 1 / N, cap)
         bucket = rbs * p  # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients
         steady = params_dev + opt_dev
         host_states = (p / N if off_par else 0) + ((p + 16) / N if off_opt else 0)
