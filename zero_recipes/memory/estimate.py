@@ -77,6 +77,9 @@ class Launch:
     accelerator: str = "gpu"
     """"gpu": device and host apart, by DeepSpeed's GPU code path (states.gpu_phases). "cpu": the CPU accelerator's
     one pool, with torch's single-tensor AdamW temporaries (states.cpu_phases), for checking against CPU runs."""
+    optimizer_temporaries: int | None = None
+    """Bytes per stepped element the optimizer step allocates (torch's single-tensor AdamW 8, foreach 4, fused 0).
+    None: as train.py runs, i.e. fused AdamW on a GPU (0), single-tensor on the CPU (8)."""
 
     @property
     def world(self) -> int:
@@ -131,7 +134,11 @@ def estimate(
         off_opt,
         off_par,
         zero,
-        adam_temporaries=launch.accelerator == "cpu",  # CUDA steps with fused AdamW, a CPU with single-tensor
+        adam_temporaries=(
+            (8 if launch.accelerator == "cpu" else 0)
+            if launch.optimizer_temporaries is None
+            else launch.optimizer_temporaries
+        ),
         accelerator=launch.accelerator,
     )
     by_phase = phases(setup)

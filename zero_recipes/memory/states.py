@@ -30,9 +30,10 @@ class Setup:
     offload_optimizer: str | None  # None, "cpu" or "nvme"
     offload_param: str | None
     zero: dict = field(default_factory=dict)  # the resolved zero_optimization block
-    # torch's single-tensor AdamW (what runs on a CPU) allocates two temporaries the size of the tensor it
-    # steps (sqrt, then the division): 8 B per element. Fused AdamW on CUDA and DeepSpeedCPUAdam allocate none.
-    adam_temporaries: bool = False
+    # Bytes per stepped element of the optimizer's temporaries. torch's single-tensor AdamW (what runs on a CPU)
+    # allocates two the size of the tensor it steps (sqrt, then the division): 8; its foreach form one list (4).
+    # Fused AdamW on CUDA, DeepSpeed's FusedAdam and DeepSpeedCPUAdam allocate none: 0.
+    adam_temporaries: int = 0
     zero_init: bool = True  # ZeRO-3 builds the model straight into partitions
     accelerator: str = "gpu"  # "gpu": device and host apart (gpu_phases); "cpu": one pool (cpu_phases)
 
@@ -82,7 +83,7 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
     cases reads side by side."""
     P, N, p, f = s.num_params, s.world, s.bytes_per_param, s.largest_param / s.num_params
     off_opt, off_par = s.offload_optimizer is not None, s.offload_param is not None
-    temp = 8 if s.adam_temporaries and not off_opt else 0
+    temp = s.adam_temporaries if not off_opt else 0
     overlap = 2 if s.zero.get("overlap_comm") else 1
     bucket = _bucket(s.zero, "reduce_bucket_size", 5e8) * p * overlap / P  # per parameter, like the rest
     cap = _bucket(s.zero, "stage3_max_live_parameters", 1e9) + _bucket(s.zero, "stage3_prefetch_bucket_size", 5e7)
@@ -182,6 +183,7 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
     Paths are under deepspeed/runtime/. Over 60 lines: the terms of each stage read side by side."""
     P, N, p, f = s.num_params, s.world, s.bytes_per_param, s.largest_param / s.num_params
     off_opt, off_par = s.offload_optimizer is not None, s.offload_param is not None
+    temp = s.adam_temporaries if not off_opt else 0  # DeepSpeedCPUAdam (offload) allocates none
     rbs = _bucket(s.zero, "reduce_bucket_size", 5e8) / P  # elements per parameter
     dev: dict[str, list[float]] = {}  # phase -> [device states, device buffers, host states, host buffers]
     if s.stage in (1, 2):
@@ -220,10 +222,11 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
                 host_states,
                 host_buffers,
             ],
-            # `step`: the fp32 grad partition (4/N, `get_flat_partition`) next to the 16-bit one on the device
+            # `step`: the fp32 grad partition (4/N, `get_flat_partition`) next to the 16-bit one on the device, and
+            # an unfused torch AdamW's temporaries (sqrt, then the division: 8 B per element it steps)
             "optimizer_step": [
                 steady + (0 if off_opt else 4 / N),
-                staging_dev + (0 if off_opt else p / N),
+                staging_dev + (0 if off_opt else (p + temp) / N),
                 host_states,
                 host_buffers,
             ],
@@ -253,6 +256,7 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
             "steady": [steady, 0, host_states, 0],
             "forward": [steady, gathered, host_states, 0],
             "forward_backward": [steady, gathered + bucket + 2 * p * f, host_states, 0],
-            "optimizer_step": [steady, 0 if off_opt else sub_group, host_states, host_step],
+            # an unfused torch AdamW steps one sub-group at a time: its temporaries are 8 B x the sub-group
+            "optimizer_step": [steady, 0 if off_opt else sub_group * (1 + temp / 4), host_states, host_step],
         }
     return {k: PhaseBytes(int(a * P), int(b * P), int(c * P), int(d * P)) for k, (a, b, c, d) in dev.items()}
