@@ -71,7 +71,11 @@ def _split(total: float, states: float, host: float) -> PhaseBytes:
 
 def phases(s: Setup) -> dict[str, PhaseBytes]:
     """Bytes of one rank in each phase (plus "steady" and "forward"), activations excluded."""
-    if s.accelerator == "cpu" or s.stage == 0:  # ZeRO-0: no ZeRO optimizer, nothing on the host either way
+    if s.accelerator == "cpu" or s.stage == 0:
+        # ZeRO-0 puts nothing on the host: in bf16/fp16 engine.py `_do_optimizer_sanity_check` picks the FP16
+        # wrapper and `_configure_fp16_optimizer` builds FP16_UnfusedOptimizer around torch AdamW, whose fp32
+        # copies and Adam state live beside the module on the device, as on the CPU. (BF16_Optimizer is chosen
+        # only for ZeRO-1 with data_types.grad_accum_dtype fp32, which no shipped config sets: not modelled.)
         return cpu_phases(s)
     return gpu_phases(s)
 
