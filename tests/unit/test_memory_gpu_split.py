@@ -71,3 +71,11 @@ def test_the_cpu_validation_keeps_its_one_pool_accounting():
     """The CPU accelerator has one pool; its accounting (checked against real CPU runs) is asked for by name."""
     one_pool = gpu(zero(2), accelerator="cpu")
     assert one_pool.phases["init"]["device_bytes"] / P == pytest.approx(4 + 2 + 4 / 8, rel=1e-3)
+
+
+def test_zero1_backward_holds_every_grad_once_plus_the_bucket():
+    """ZeRO-1 keeps each param's 16-bit grad until `reduce_gradients` at the end of backward: p once (with the
+    states), and the reduce bucket, not the grads a second time as in-flight copies."""
+    fb = gpu(zero(1)).phases["forward_backward"]
+    assert fb["model_states_bytes"] / P == pytest.approx(2 + 12 / 8 + 2, rel=1e-3)
+    assert fb["buffers_bytes"] == pytest.approx(5e8 * 2, rel=1e-3)

@@ -207,9 +207,10 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         steady = p + master_dev + adam_dev + grad_part
         # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype
         buckets = rbs * p * (2 if s.zero.get("overlap_comm") else 1)
-        # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad (p) is alive until then;
-        # ZeRO-2 reduces in buckets as grads arrive: the param in flight and its copy (2pf) plus the buckets
-        in_flight = p if s.stage == 1 else 2 * p * f
+        # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad (p, counted with the
+        # states) is alive until then, reduced bucket by bucket; ZeRO-2 reduces in buckets as grads arrive: the
+        # param in flight and its copy (2pf) plus the buckets
+        in_flight = 0 if s.stage == 1 else 2 * p * f
         # host: master 4/N and its grad 4/N (`initialize_optimizer_states`, pinned when pin_memory), Adam 8/N;
         # buffers: `param_buffer_of_bit16_for_cpu_offload_groups` p/N, `temp_grad_buffer_for_cpu_offload` pf
         host_states = 16 / N if off_opt else 0
