@@ -54,7 +54,9 @@ def estimate_case(case: dict):
     world = case["num_gpus"] * case.get("num_nodes", 1)
     argv = ["--deepspeed", *ds_files(case), "--per_device_train_batch_size", str(case["micro_batch_size"])]
     cfg, explicit = parse_args(argv)
-    raw = ds_config.load_fragments(cfg.deepspeed)
+    # a case whose DeepSpeed JSON differs from ds_configs/ where it matters (bucket sizes left at DeepSpeed's
+    # defaults, say) states those keys; they merge over the shipped files
+    raw = ds_config.deep_merge(ds_config.load_fragments(cfg.deepspeed), case.get("ds_overrides", {}))
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden_size(config))
     ds = ds_config.with_steps(resolved.ds, resolved.cfg, 1000)
     launch = Launch(
