@@ -205,7 +205,8 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         # offload: `temp_grad_buffer_for_gpu_offload`, the largest param's size, on the device
         staging_dev = p * f if off_opt else 0
         steady = p + master_dev + adam_dev + grad_part
-        # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype
+        # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype, made
+        # in the backward's prologue, while every activation is still alive, and kept from then on
         buckets = rbs * p * (2 if s.zero.get("overlap_comm") else 1)
         # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad (p, counted with the
         # states) is alive until then, reduced bucket by bucket; ZeRO-2 reduces in buckets as grads arrive: the
@@ -219,8 +220,8 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
             # `bit16_groups_flat` is flattened on the device only when `available_memory()` has room for the
             # copy, else on the host (`flatten_on_accelerator`): the copy never sets a peak. Adam not made yet.
             "init": [p + master_dev, 0, host_states / 2, host_buffers],
-            "steady": [steady, staging_dev, host_states, host_buffers],
-            "forward": [steady, staging_dev, host_states, host_buffers],
+            "steady": [steady, staging_dev + buckets, host_states, host_buffers],
+            "forward": [steady, staging_dev + buckets, host_states, host_buffers],
             "forward_backward": [
                 steady + (p if s.stage == 1 else 0),
                 staging_dev + buckets + in_flight,
@@ -231,7 +232,7 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
             # an unfused torch AdamW's temporaries (sqrt, then the division: 8 B per element it steps)
             "optimizer_step": [
                 steady + (0 if off_opt else 4 / N),
-                staging_dev + (0 if off_opt else (p + temp) / N),
+                staging_dev + buckets + (0 if off_opt else (p + temp) / N),
                 host_states,
                 host_buffers,
             ],
@@ -251,17 +252,17 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         # params gathered between use and release: the other ranks' shards, and under offload_param this rank's
         # own too (its partition lives on the host and is fetched for compute), up to the live cap
         gathered = p * min(1.0 if off_par else 1 - 1 / N, cap)
-        bucket = rbs * p  # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients
+        bucket = rbs * p  # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients, kept
         steady = params_dev + opt_dev
         host_states = (p / N if off_par else 0) + ((p + 16) / N if off_opt else 0)
         host_step = sub_group if off_opt else 0
         dev = {
             # a module is built in fp32 before it is partitioned: at most the largest param at 4 B
             "init": [params_dev + (0 if off_opt else (p + 4) / N), 4 * f, host_states - (8 / N if off_opt else 0), 0],
-            "steady": [steady, 0, host_states, 0],
-            "forward": [steady, gathered, host_states, 0],
-            "forward_backward": [steady, gathered + bucket + 2 * p * f, host_states, 0],
+            "steady": [steady, bucket, host_states, 0],
+            "forward": [steady, bucket + gathered, host_states, 0],
+            "forward_backward": [steady, bucket + gathered + 2 * p * f, host_states, 0],
             # an unfused torch AdamW steps one sub-group at a time: its temporaries are 8 B x the sub-group
-            "optimizer_step": [steady, 0 if off_opt else sub_group * (1 + temp / 4), host_states, host_step],
+            "optimizer_step": [steady, bucket + (0 if off_opt else sub_group * (1 + temp / 4)), host_states, host_step],
         }
     return {k: PhaseBytes(int(a * P), int(b * P), int(c * P), int(d * P)) for k, (a, b, c, d) in dev.items()}
