@@ -1,5 +1,5 @@
 """DeepSpeed JSONs in the shapes other projects ship them, for the table-driven tests of
-tests/integration/test_brought_configs_*.py. Written here (not copied) after the files in the HF Trainer's
+tests/integration/test_brought_configs_*.py (and their shared blocks, for any test that writes such a file). Written here (not copied) after the files in the HF Trainer's
 DeepSpeed docs, axolotl's deepspeed_configs/ and LLaMA-Factory's examples/deepspeed/ as of late 2026, with
 their key spellings, their leftovers and their mistakes kept."""
 

@@ -22,15 +22,17 @@ REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "on
 def refuse_ignored(ds: dict) -> list[str]:
     """Raise for settings DeepSpeed would accept and then not honour at this ZeRO stage (the user would train
     believing they are on); return notes for the ignored tuning knobs that change nothing but speed."""
+    from .ds_config import offloads, zero_stage  # here: ds_config imports this module
+
     z = ds.get("zero_optimization") or {}
-    stage = int(z.get("stage", 0))
-    device = {k: (z.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
-    if device["offload_param"] not in (None, "none") and stage != 3:
+    stage = zero_stage(ds)
+    offload_optimizer, offload_param = offloads(ds)
+    if offload_param and stage != 3:
         raise ConfigError(
             f"offload_param needs ZeRO-3; at ZeRO-{stage} DeepSpeed ignores it and offloads nothing. Use "
             "ds_configs/zero3.json with ds_configs/offload_all.json, or ds_configs/offload_optimizer.json for ZeRO-1/2"
         )
-    if device["offload_optimizer"] not in (None, "none") and stage == 0:
+    if offload_optimizer and stage == 0:
         raise ConfigError(
             "offload_optimizer needs ZeRO-1, 2 or 3; at ZeRO-0 DeepSpeed ignores it. Use ds_configs/zero2.json "
             "with ds_configs/offload_optimizer.json"
@@ -186,15 +188,14 @@ def _ignored_blocks(ds: dict) -> list[str]:
 
 
 def machine_problems(ds: dict) -> list[str]:
-    """What this machine cannot run, found before any process group or model: the precision's kernels, and
+    """What this machine cannot run with a resolved config, found before any process group or model: the precision's kernels, and
     NVMe offload's async_io op and directory."""
     from deepspeed.accelerator import get_accelerator
 
+    from .ds_config import precision  # here: ds_config imports this module
+
     acc = get_accelerator()
-    precision = (
-        "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32"
-    )
-    problems = precision_problems(precision, acc.device_name(), acc.is_fp16_supported(), acc.is_bf16_supported())
+    problems = precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), acc.is_bf16_supported())
     z = ds.get("zero_optimization") or {}
     nvme = [z[k] for k in ("offload_optimizer", "offload_param") if (z.get(k) or {}).get("device") == "nvme"]
     if nvme:

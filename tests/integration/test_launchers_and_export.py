@@ -2,6 +2,7 @@
 
 import torch
 
+from brought_configs import FP16_AUTO
 from helpers import FAST, launch
 
 
@@ -68,14 +69,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
 
 HF_TRAINER_ZERO2 = {
     # The shape of the HF Trainer docs' ZeRO-2 example, unchanged: DeepSpeed builds optimizer and scheduler.
-    "fp16": {
-        "enabled": "auto",
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
+    "fp16": FP16_AUTO,
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {
