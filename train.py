@@ -148,9 +148,13 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
     estimate, line = memory.for_run(plan.model_config, plan.ds, plan.cfg, plan.world)
     free = torch.cuda.get_device_properties(0).total_memory
     log(line)
-    if estimate is not None and estimate.per_gpu["peak_bytes"] > free:
+    verdict = None if estimate is None else memory.fit_verdict(estimate.per_gpu["peak_bytes"], free)
+    if verdict in ("no", "tight"):
+        what = (
+            "exceeds" if verdict == "no" else "leaves too little room for the CUDA context, NCCL and fragmentation on"
+        )
         log(
-            f"warning: the estimate exceeds this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
+            f"warning: the estimate {what} this GPU's {free / 2**30:.1f} GiB; see `python tools/estimate_memory.py "
             f"--model ... --table --gpu_memory {free / 2**30:.0f}GiB` for a config that fits"
         )
 

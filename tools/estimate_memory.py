@@ -130,6 +130,8 @@ def one(args, gpu_memory):
 
 
 def print_one(e, cfg, args, gpu_memory) -> None:
+    from zero_recipes.memory.estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES
+
     g, n = e.per_gpu, e.per_node
     off = ", ".join(f"{k} -> {v}" for k, v in e.offload.items() if v) or "none"
     print(
@@ -152,8 +154,15 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         + (f"; NVMe {gb(n['nvme_bytes'])}" if n["nvme_bytes"] else "")
     )
     if gpu_memory:
+        room = gpu_memory - g["peak_bytes"]
         print(
-            f"fits in {gb(gpu_memory)}: {'yes' if e.fits else 'NO'}"
+            {
+                "yes": f"fits in {gb(gpu_memory)}: yes ({gb(room)} left)",
+                "tight": f"fits in {gb(gpu_memory)}: TIGHT, {gb(room)} left for the CUDA context, NCCL and the "
+                "allocator's fragmentation, which need about "
+                f"{gb(OUTSIDE_ALLOCATOR_BYTES + FRAGMENTATION * g['peak_bytes'])}; it may run out of memory",
+                "no": f"fits in {gb(gpu_memory)}: NO",
+            }[e.fit]
             + ("" if e.fits else "; try --table to see which config fits")
         )
 
@@ -200,6 +209,7 @@ def table(args, gpu_memory) -> dict:
                         "gradient_checkpointing": gc,
                         "peak_bytes": e.per_gpu["peak_bytes"],
                         "fits": e.fits,
+                        "fit": e.fit,
                     }
                 )
                 if e.fits:
@@ -237,7 +247,8 @@ def table(args, gpu_memory) -> dict:
 def print_table(t: dict) -> None:
     print(
         f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
-        f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])})"
+        f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])}, ~ tight: the allocated peak "
+        "fits, not with the CUDA context, NCCL and fragmentation)"
     )
     names = list(TABLE_CONFIGS)
     print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{n:>24s}" for n in names))
@@ -246,7 +257,9 @@ def print_table(t: dict) -> None:
             cells = [r for r in t["rows"] if r["num_gpus"] == n and r["gradient_checkpointing"] == gc]
             print(
                 f"{n:>5d} {'on' if gc else 'off':>3s} "
-                + " ".join(f"{gb(r['peak_bytes']) + ('*' if r['fits'] else ' '):>24s}" for r in cells)
+                + " ".join(
+                    f"{gb(r['peak_bytes']) + {'yes': '*', 'tight': '~', 'no': ' '}[r['fit']]:>24s}" for r in cells
+                )
             )
     print()
     for n in GPU_COUNTS:

@@ -53,9 +53,20 @@ def test_error_and_goal_per_kind_of_figure():
     assert pub.score(case("max_memory_allocated", 10.0), int(9.4 * gib))["ok"] is False  # under -5 %
     assert pub.score(case("nvidia-smi", 10.0), int(9.0 * gib))["ok"] is True  # below what nvidia-smi shows
     assert pub.score(case("nvidia-smi", 10.0), int(10.5 * gib))["ok"] is False
-    assert pub.score(case("oom", memory=24), 30 * gib)["ok"] is True  # an OOM needs an estimate above the GPU
+    # an OOM needs a verdict other than "fits"; a run that fitted one other than "does not fit"
+    assert pub.score(case("oom", memory=24), 30 * gib) == {
+        "estimate_gib": 30.0,
+        "error": None,
+        "verdict": "no",
+        "ok": True,
+    }
     assert pub.score(case("oom", memory=24), 20 * gib)["ok"] is False
+    # 22.5 GiB allocated on a 24 GiB card: fits the allocator, not with the CUDA context, NCCL and fragmentation
+    assert pub.score(case("oom", memory=24), int(22.5 * gib))["verdict"] == "tight"
+    assert pub.score(case("oom", memory=24), int(22.5 * gib))["ok"] is True
+    assert pub.score(case("fits", memory=24), int(22.5 * gib))["ok"] is True
     assert pub.score(case("fits", memory=24), 20 * gib)["ok"] is True
+    assert pub.score(case("fits", memory=24), 25 * gib)["ok"] is False
 
 
 def test_shipped_fragments_per_setup():

@@ -7,7 +7,8 @@ stated ZeRO stage, offload and precision, "auto" buckets as the HF Trainer fills
 - `max_memory_allocated` (DeepSpeed's Max_MA): the goal band is +15 % / -5 %;
 - `max_memory_reserved` / `nvidia-smi`: they add the allocator's cache and the CUDA context, so the estimate
   must not exceed them; the error is shown, not scored;
-- `oom`: the estimate must exceed the GPU's memory; `fits`: it must not.
+- `oom`: the estimator must not say "fits" (its verdict is "tight" or "no", memory/estimate.py `fit_verdict`);
+  `fits`: it must not say "no".
 
     python tools/benchmark.py estimator-public        # regenerates the table from the data file
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..memory.estimate import fit_verdict
 from .common import REPO, environment
 
 DATA = REPO / "benchmarks" / "estimator-gpu-public.json"
@@ -27,6 +29,9 @@ UPPER_BOUNDS = ("max_memory_reserved", "nvidia-smi")
 # Trainer's default `adamw_torch` is torch AdamW without fused=True, stepping one tensor at a time (8) or as a
 # foreach list (4); train.py uses fused AdamW on a GPU, DeepSpeed-Chat DeepSpeed's FusedAdam (0)
 ADAM_TEMPORARIES = {"adamw_torch (single-tensor)": 8, "adamw_torch (foreach)": 4, "fused": 0}
+
+
+VERDICT = {"yes": "fits", "tight": "tight", "no": "does not fit"}
 
 
 def ds_files(case: dict) -> list[str]:
@@ -83,10 +88,9 @@ def score(case: dict, estimate_bytes: int) -> dict:
         out["ok"] = -BAND["under"] <= out["error"] <= BAND["over"]
     elif kind in UPPER_BOUNDS:
         out["ok"] = est <= gib
-    elif kind == "oom":
-        out["ok"] = est > case["gpu_memory_gib"]
-    elif kind == "fits":
-        out["ok"] = est <= case["gpu_memory_gib"]
+    elif kind in ("oom", "fits"):
+        out["verdict"] = fit_verdict(estimate_bytes, int(case["gpu_memory_gib"] * 2**30))
+        out["ok"] = out["verdict"] != ("yes" if kind == "oom" else "no")
     else:
         raise ValueError(f"{case['id']}: unknown measured.kind {kind!r}")
     return out
@@ -117,14 +121,17 @@ def render(cases: list[dict], results: list[dict], env: dict) -> str:
         "[estimator-gpu-public.json](estimator-gpu-public.json) (the cases and their sources). Each estimate is "
         "`tools/estimate_memory.py`'s peak per GPU for the stated setup, with the shipped `ds_configs/` for its "
         'ZeRO stage, offload and precision (bucket sizes as the HF Trainer fills `"auto"`). Goal: within '
-        f"+{BAND['over']:.0%} / -{BAND['under']:.0%} of `max_memory_allocated`; never below an OOM; never above "
-        "an `nvidia-smi` or `max_memory_reserved` figure (those include the allocator cache and the CUDA context).",
+        f"+{BAND['over']:.0%} / -{BAND['under']:.0%} of `max_memory_allocated`; never above an `nvidia-smi` or "
+        "`max_memory_reserved` figure (those include the allocator cache and the CUDA context); never the verdict "
+        '"fits" where the source ran out of memory, never "does not fit" where it ran. The verdict is "tight" when '
+        "the allocated peak fits the card but not with 1 GiB for the CUDA context and NCCL plus 5 % for the "
+        "allocator's fragmentation (`fit_verdict` in zero_recipes/memory/estimate.py).",
         "",
         "| case | source | model | setup | measured | estimate | error | goal met |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case, r in zip(cases, results):
-        error = "" if r["error"] is None else f"{r['error']:+.1%}"
+        error = f"verdict: {VERDICT[r['verdict']]}" if "verdict" in r else f"{r['error']:+.1%}"
         lines.append(
             f"| {case['id']} | [{case['source']['kind']}]({case['source']['url'].split()[0]}) | {case['model']} | "
             f"{setup_text(case)} | {measured_text(case)} | {r['estimate_gib']:.2f} GiB | {error} | "
