@@ -30,10 +30,12 @@ import warnings
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import checkpoint, data, distributed, ds_checks, loop, memory, metrics, model as modeling
+from zero_recipes import checkpoint, data, distributed, ds_checks, loop, lora, memory, metrics, model as modeling
 from zero_recipes.config import ConfigError, help_text
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # DeepSpeed still calls the c10d collectives torch renamed; the warning is theirs, repeated every step.
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
@@ -50,6 +52,8 @@ def main(argv: list[str]) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
     if cfg.dry_run:
         return dry_run(plan, log)
+    if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
+        lora.check_targets(cfg, plan.model_config)
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
     report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
@@ -99,16 +103,15 @@ def main(argv: list[str]) -> int:
         config=plan.signature,
     )
     checkpointer = checkpoint.Checkpointer(
-        plan.output_dir, rank, cfg.save_total_limit, modeling.hf_files_writer(engine.module.config, tokenizer)
+        plan.output_dir, rank, cfg.save_total_limit, hf_files_writer(engine, tokenizer)
     )
     outcome = loop.fit(loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log), step)
     if not outcome.finished:
         log_file.close()
         return outcome.exit_code
 
-    # ---- export: output_dir itself becomes a complete HF model directory ------------------------------
-    modeling.export_hf_model(engine, tokenizer, plan.output_dir, plan.zero_stage == 3, rank)
-    log(f"export: AutoModelForCausalLM.from_pretrained('{plan.output_dir}') loads the trained model")
+    # ---- export: output_dir itself becomes a complete HF model (or PEFT adapter) directory -------------
+    export(engine, tokenizer, plan, rank, log)
     if cfg.verify_export:
         diff = verify_export(engine, plan, prepared, order, rank)
         if rank == 0:
@@ -116,6 +119,32 @@ def main(argv: list[str]) -> int:
             log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
     log_file.close()
     return 0
+
+
+def export(engine, tokenizer, plan: RunPlan, rank: int, log) -> None:
+    out, zero3 = plan.output_dir, plan.zero_stage == 3
+    if not lora.enabled(plan.cfg):
+        modeling.export_hf_model(engine, tokenizer, out, zero3, rank)
+        log(f"export: AutoModelForCausalLM.from_pretrained('{out}') loads the trained model")
+    elif plan.cfg.merge_lora:
+        lora.export_merged(engine, tokenizer, out, zero3, rank, DTYPES[plan.precision])
+        log(f"export: the adapter merged into its base; AutoModelForCausalLM.from_pretrained('{out}') loads it")
+    else:
+        lora.export_adapter(engine, tokenizer, out, zero3, rank)
+        log(f"export: a PEFT adapter; PeftModel.from_pretrained(base, '{out}') loads it onto its base")
+
+
+def hf_files_writer(engine, tokenizer):
+    """What each checkpoint carries besides DeepSpeed's files (tools/export_hf.py needs nothing else)."""
+    write_model_files = modeling.hf_files_writer(engine.module.config, tokenizer)
+    if not lora.enabled_on(engine.module):
+        return write_model_files
+
+    def write(out_dir):
+        write_model_files(out_dir)
+        engine.module.peft_config["default"].save_pretrained(str(out_dir))
+
+    return write
 
 
 def build_model(plan: RunPlan, rank: int, log):
@@ -129,6 +158,13 @@ def build_model(plan: RunPlan, rank: int, log):
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
     model = modeling.build_model(cfg, model_config, load_dtype, rank)
     n_params = modeling.num_params(model)
+    if lora.enabled(cfg):
+        model = lora.wrap(model, cfg)
+        trainable, total = lora.trainable_count(model)
+        log(
+            f"lora: r {cfg.lora_r}, alpha {cfg.lora_alpha:g} on {', '.join(cfg.lora_target_modules)}; trains "
+            f"{trainable:,} of {total:,} parameters ({100 * trainable / total:.2f} %), the base frozen"
+        )
     if plan.zero_stage == 3:
         log(
             f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
@@ -164,8 +200,7 @@ def verify_export(engine, plan: RunPlan, prepared, order, rank: int):
     rows = prepared.probe_rows
     probe = data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch()
     probe = probe["input_ids"][:1, :64].to(engine.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.precision]
-    return modeling.verify_export(engine, plan.output_dir, probe, rank, dtype)
+    return modeling.verify_export(engine, plan.output_dir, probe, rank, DTYPES[plan.precision])
 
 
 def dry_run(plan: RunPlan, log) -> int:

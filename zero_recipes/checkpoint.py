@@ -71,6 +71,13 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
     if same:
         return resume or ("auto" if latest_tag(output_dir) else None)
     if resume is not None:
+        from .lora import changed_settings
+
+        if lora_changed := changed_settings(previous or {}, signature):
+            raise ConfigError(
+                f"output_dir {output_dir} holds a LoRA run with other adapter settings ({', '.join(lora_changed)}); "
+                "its checkpoints hold that adapter. Resume with the same settings, or use another --output_dir"
+            )
         return resume
     changed = sorted(k for k in set(previous or {}) | set(signature) if (previous or {}).get(k) != signature.get(k))
     raise ConfigError(
@@ -218,7 +225,10 @@ def save(
                 {"world": engine.dp_world_size, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
             )
         )
-    engine.save_checkpoint(str(d), tag=tag, client_state=client_state, save_latest=False)
+    # A LoRA run's frozen base is the pretrained model: not saved again (its adapter config names it)
+    engine.save_checkpoint(
+        str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)
+    )
     torch.distributed.barrier()
     if rank == 0:
         tmp = d / f"latest.tmp{os.getpid()}"
@@ -308,13 +318,22 @@ def data_position(
     return {"epoch": saved["epoch"], "index": rows // (micro * world), "world": world, "micro": micro}
 
 
+def has_frozen(engine) -> bool:
+    """A LoRA run: some parameters train, the rest are the frozen pretrained base."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
     """Returns (the client state rank 0 saved, this rank's own state)."""
     import torch
 
     load_dir, tag = where
     path, client_state = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(load_dir),
+        tag=tag,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_strict=not has_frozen(engine),  # frozen weights were left out; they are the base's
     )
     if path is None:
         raise ConfigError(f"could not load checkpoint {load_dir / tag}")
@@ -381,6 +400,12 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     saved = layout_change(where, plan.world, plan.zero_stage)
     if saved is None:
         return ResumePlan(where, where)
+    if plan.cfg.lora_r > 0:
+        raise ConfigError(
+            f"this LoRA run was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}; its checkpoint "
+            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
+            f"Resume with {saved['world']} rank(s) and ZeRO-{saved['zero_stage']}"
+        )
     if plan.cfg.streaming:
         raise ConfigError(
             f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "

@@ -57,6 +57,22 @@ class TrainConfig:
     """Compile the model with torch.compile through DeepSpeed's `engine.compile()` (inductor). The first step
     pays the compile (~30 s for the tiny model on 2 CPU cores, cached afterwards); losses match eager."""
 
+    # ---- LoRA (peft's names; a recipe may group them in a `lora:` block: r, alpha, dropout, ...) ------
+    lora_r: int = 0
+    """LoRA rank. 0: full fine-tuning. > 0: train low-rank adapters (peft) on a frozen pretrained base, which
+    stays in 16 bits under bf16/fp16 with no gradients or optimizer state; output_dir becomes a PEFT
+    adapter directory."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA path's input."""
+    lora_target_modules: list = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters; `all-linear`: every linear layer but the output head."""
+    modules_to_save: list = field(default_factory=list)
+    """Modules trained in full and saved with the adapter, e.g. `lm_head embed_tokens` for a new vocabulary."""
+    merge_lora: bool = False
+    """At the end, write the base with the adapters merged in (a plain HF model) instead of an adapter."""
+
     # ---- data --------------------------------------------------------------------------------------
     dataset_name: str = BUILTIN_DATASET
     """Hub dataset id, a local json/jsonl/csv/parquet/txt file, a directory saved by `datasets`, or an
@@ -192,6 +208,7 @@ RUN_CONTROL_FIELDS = {
     "torch_compile",
     "report_to",
     "run_name",
+    "merge_lora",
 }
 
 
@@ -320,7 +337,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
         if len(recipe[-1]) != 1:
             raise ConfigError("--recipe takes one YAML file, e.g. --recipe recipes/tiny-llama.yaml")
         path = recipe[-1][0]
-        for key, value in load_recipe(path).items():
+        from .lora import flatten_recipe_block
+
+        for key, value in flatten_recipe_block(load_recipe(path), path).items():
             if key not in FIELDS:
                 raise unknown_key_error(key, f"recipe {path}")
             values[key] = coerce(key, value)
@@ -379,6 +398,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
         raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
+    from .lora import validate_options
+
+    validate_options(cfg)
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
 

@@ -259,8 +259,13 @@ def verify_export(engine, out_dir: Path, probe, rank: int, dtype) -> Optional[fl
         ref = engine(input_ids=probe).logits.float().cpu()
     diff = None
     if rank == 0:
+        from . import lora
+
         unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
-        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
+        if lora.is_adapter_dir(out_dir):
+            reloaded = lora.load_for_inference(out_dir, dtype)
+        else:
+            reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
         with torch.no_grad():
             got = reloaded(input_ids=probe).logits.float()
         diff = (got - ref).abs().max().item()

@@ -1,0 +1,233 @@
+"""LoRA with peft on every ZeRO stage: the options, wrapping the base, and what a LoRA run leaves behind.
+
+peft does the adapters (LoraConfig, get_peft_model, PeftModel.from_pretrained, merge_and_unload); what it
+lacks under DeepSpeed is written here: ZeRO-3 partitions every parameter, and `PeftModel.save_pretrained`
+then writes the partitions' placeholders, an *empty* adapter (trl #4416, peft #2892, DeepSpeed #7900). The
+adapter is gathered first, one tensor at a time, and handed to peft's own saving code.
+
+The frozen base is not copied for training: its parameters get no gradient and are in no optimizer group,
+so DeepSpeed keeps neither a fp32 master copy nor Adam moments for them, and under bf16/fp16 they stay in 16
+bits. Checkpoints leave them out (DeepSpeed's `exclude_frozen_parameters`): they are the pretrained weights,
+which the adapter's `base_model_name_or_path` names.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+from .config import ConfigError, TrainConfig
+
+ALL_LINEAR = "all-linear"
+
+# A recipe's `lora:` block, in peft's LoraConfig names, and the options each key sets.
+LORA_BLOCK = {
+    "r": "lora_r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "target_modules": "lora_target_modules",
+    "modules_to_save": "modules_to_save",
+}
+SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
+"""What makes one adapter: a checkpoint resumes only with the same values."""
+
+
+def enabled(cfg: TrainConfig) -> bool:
+    return cfg.lora_r > 0
+
+
+def enabled_on(module) -> bool:
+    """The engine's module is a peft model."""
+    return hasattr(module, "peft_config")
+
+
+def flatten_recipe_block(recipe: dict, path: str) -> dict:
+    """`lora: {r: 16, alpha: 32}` -> lora_r: 16, lora_alpha: 32 (a flat key of the same option wins)."""
+    block = recipe.get("lora")
+    if block is None:
+        return recipe
+    if not isinstance(block, dict):
+        raise ConfigError(f"recipe {path}: `lora:` must be a mapping, e.g. lora: {{r: 16, alpha: 32}}")
+    flat = {k: v for k, v in recipe.items() if k != "lora"}
+    for key, value in block.items():
+        if key not in LORA_BLOCK:
+            raise ConfigError(f"recipe {path}: unknown key '{key}' in `lora:`; use {', '.join(LORA_BLOCK)}")
+        flat.setdefault(LORA_BLOCK[key], value)
+    return flat
+
+
+def validate_options(cfg: TrainConfig) -> None:
+    if cfg.lora_r < 0:
+        raise ConfigError(f"--lora_r must be >= 0 (0 is full fine-tuning), got {cfg.lora_r}")
+    if cfg.lora_r == 0:
+        if cfg.merge_lora:
+            raise ConfigError("--merge_lora needs LoRA: set --lora_r (e.g. 16), or drop --merge_lora")
+        return
+    if cfg.lora_alpha <= 0:
+        raise ConfigError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if not cfg.model_name_or_path or cfg.model_config is not None:
+        raise ConfigError(
+            "LoRA adapts pretrained weights: set --model_name_or_path to a hub id or a directory from_pretrained "
+            "loads (without --model_config); a random init leaves no base to load the adapter onto"
+        )
+
+
+def check_targets(cfg: TrainConfig, model_config) -> None:
+    """Every named target and module to save exists in the model (peft's matching: the whole name or its
+    last dotted parts). Checked on the meta model, before any process group starts."""
+    import torch
+
+    from .model import meta_model
+
+    modules = dict(meta_model(model_config).named_modules())
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
+    for option in ("lora_target_modules", "modules_to_save"):
+        for target in getattr(cfg, option):
+            if option == "lora_target_modules" and target == ALL_LINEAR:
+                continue
+            if not any(name == target or name.endswith("." + target) for name in modules):
+                raise ConfigError(
+                    f"--{option}: the model ({model_config.model_type}) has no module '{target}'; its linear "
+                    f"layers are {', '.join(linear)} (or use {ALL_LINEAR})"
+                )
+
+
+def lora_config(cfg: TrainConfig):
+    from peft import LoraConfig
+
+    targets = cfg.lora_target_modules
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else list(targets),
+        modules_to_save=list(cfg.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def base_model_reference(name: str) -> str:
+    """What the adapter names as its base: a local directory absolutely (the adapter may be loaded from
+    anywhere), a hub id as is."""
+    p = Path(name).expanduser()
+    return str(p.resolve()) if p.is_dir() else name
+
+
+def wrap(model, cfg: TrainConfig):
+    """The base with adapters on its targets, everything else frozen. lora_A is drawn from the run's seed, so
+    every rank and every ZeRO stage starts from the same adapter (lora_B starts at zero: the base's output)."""
+    import torch
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        # Adapters in the base's dtype. peft's default upcasts them to fp32, and ZeRO-3, which does not cast the
+        # module as ZeRO-0/1/2 do, then multiplies bf16 activations by fp32 weights (an error, measured); the
+        # fp32 master copy of the adapters is DeepSpeed's, in the optimizer, as for full fine-tuning.
+        peft_model = get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=False)
+    peft_model.peft_config["default"].base_model_name_or_path = base_model_reference(cfg.model_name_or_path)
+    return peft_model
+
+
+def trainable_count(model) -> tuple[int, int]:
+    """(trainable, all) parameters, ZeRO-3 partitions by their full size."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    size = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in unique]
+    return sum(n for n, t in size if t), sum(n for n, _ in size)
+
+
+def adapter_state_dict(module, zero3: bool, rank: int) -> Optional[dict]:
+    """The trainable tensors, full-size, on rank 0's CPU (None elsewhere). Under ZeRO-3 each is gathered in
+    turn: without this, `save_pretrained` writes ZeRO-3's empty placeholders. Collective under ZeRO-3."""
+    import torch
+
+    sd = {} if rank == 0 else None
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        ctx = nullcontext()
+        if zero3:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+        with ctx:
+            if rank == 0:
+                sd[name] = param.detach().cpu().clone()
+    if zero3:
+        torch.distributed.barrier()
+    return sd
+
+
+def export_adapter(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
+    """output_dir becomes a PEFT adapter directory: adapter_config.json, adapter_model.safetensors, the
+    tokenizer. `PeftModel.from_pretrained(base, out_dir)` loads it."""
+    import torch
+
+    sd = adapter_state_dict(engine.module, zero3, rank)
+    if rank == 0:
+        engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    torch.distributed.barrier()
+
+
+def peft_model_from(hf_dir: Path, trainable: dict, dtype):
+    """A PeftModel on the pretrained base `hf_dir/adapter_config.json` names, holding `trainable` (the
+    adapter as the engine names it). For merging, and for tools/export_hf.py's LoRA checkpoints."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a plain load on one process, not one inside zero.Init
+    config = LoraConfig.from_pretrained(str(hf_dir))
+    base = AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, dtype=dtype)
+    model = get_peft_model(base, config)
+    missing = [k for k, _ in model.named_parameters() if _.requires_grad and k not in trainable]
+    unexpected = [k for k in trainable if k not in dict(model.named_parameters())]
+    if missing or unexpected:
+        raise ConfigError(
+            f"the adapter in {hf_dir} does not match its base {config.base_model_name_or_path}: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model.load_state_dict(trainable, strict=False)
+    return model
+
+
+def export_merged(engine, tokenizer, out_dir: Path, zero3: bool, rank: int, dtype) -> None:
+    """`--merge_lora`: the pretrained base with the trained adapter merged in, saved as a plain HF model.
+    Only the adapter is gathered; rank 0 loads the base from where the adapter config says it is."""
+    import torch
+
+    sd = adapter_state_dict(engine.module, zero3, rank)
+    if rank == 0:
+        engine.module.peft_config["default"].save_pretrained(str(out_dir))  # adapter_config.json, for the base
+        merged = peft_model_from(out_dir, sd, dtype).merge_and_unload()
+        (out_dir / "adapter_config.json").unlink()
+        merged.config.use_cache = True
+        merged.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    torch.distributed.barrier()
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_for_inference(path: Path, dtype):
+    """An adapter directory as a user loads it: the base it names, then `PeftModel.from_pretrained`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_name = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype)
+    # the adapter in the dtype it was trained in (peft would upcast a 16-bit one to fp32): the engine's numerics
+    return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=False).eval()
+
+
+def changed_settings(previous: dict, signature: dict) -> list[str]:
+    """The adapter settings that differ between a saved run and this launch (a resume cannot change them:
+    the checkpoint holds tensors of the old adapter's shapes)."""
+    return [k for k in SETTINGS if previous.get(k) != signature.get(k)]
