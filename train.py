@@ -50,10 +50,10 @@ def main(argv: list[str]) -> int:
     cfg = plan.cfg
     rank, _, world, local_world = distributed.rank_info()
     log = print if rank == 0 else (lambda *a, **k: None)
-    if cfg.dry_run:
-        return dry_run(plan, log)
     if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
         lora.check_targets(cfg, plan.model_config)
+    if cfg.dry_run:
+        return dry_run(plan, log)
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
     report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here

@@ -4,7 +4,11 @@
     python tools/export_hf.py outputs/tiny-llama exported/          # its newest complete checkpoint
 
 The result holds config.json, generation_config.json, the tokenizer and sharded safetensors with an
-index; `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it. The weights come from DeepSpeed's own
+index; `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it. A LoRA run's checkpoint becomes a PEFT
+adapter directory (`PeftModel.from_pretrained(base, OUT_DIR)`), or with --merge the base with the adapter
+merged in; the base is read from where the adapter config names it.
+
+    python tools/export_hf.py outputs/tiny-lora-sft merged/ --merge The weights come from DeepSpeed's own
 consolidation (`deepspeed.utils.zero_to_fp32`), in its lazy mode: one parameter is gathered from the
 rank files at a time and written shard by shard, so memory stays near one copy of the weights in the
 output dtype. It runs on one CPU process whatever the world size that saved the checkpoint.
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from zero_recipes.checkpoint import HF_FILES, find_checkpoint
 from zero_recipes.config import ConfigError
+from zero_recipes.lora import is_adapter_dir, peft_model_from
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -61,17 +66,26 @@ def check_complete(ckpt: Path) -> int:
     return stage
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str) -> Path:
+def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, merge: bool = False) -> Path:
     import torch
 
     base, tag = locate(checkpoint)
     ckpt = base / tag
     stage = check_complete(ckpt)
+    adapter = is_adapter_dir(ckpt / HF_FILES)
+    if merge and not adapter:
+        raise ConfigError(f"--merge merges a LoRA adapter; {ckpt} is a full fine-tuning checkpoint (drop --merge)")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} is not empty; export into a new directory (nothing there is overwritten)")
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
+        if adapter:
+            export_lora(base, tag, stage, tmp, getattr(torch, DTYPES[dtype]), merge, max_shard_size)
+            if out_dir.exists():
+                out_dir.rmdir()
+            tmp.replace(out_dir)
+            return ckpt
         if stage == 0:
             # ZeRO-0 saves the whole module in one file; zero_to_fp32 handles only partitioned stages
             from huggingface_hub import save_torch_state_dict
@@ -101,6 +115,28 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str) -> 
     return ckpt
 
 
+def export_lora(base: Path, tag: str, stage: int, out: Path, dtype, merge: bool, max_shard_size: str) -> None:
+    """The checkpoint holds the adapter only (the frozen base was left out); peft puts it back on its base."""
+    import torch
+
+    ckpt = base / tag
+    if stage == 0:
+        module = torch.load(next(ckpt.glob("*model_states.pt")), map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = get_fp32_state_dict_from_zero_checkpoint(str(base), tag=tag, exclude_frozen_parameters=True)
+    model = peft_model_from(ckpt / HF_FILES, module, dtype)
+    if merge:
+        model.merge_and_unload().save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
+    skip = {"config.json", "generation_config.json", "adapter_config.json"}  # written by save_pretrained
+    for f in (ckpt / HF_FILES).iterdir():
+        if f.name not in skip:
+            shutil.copy2(f, out / f.name)
+
+
 def set_config_dtype(out: Path, dtype: str) -> None:
     import json
 
@@ -116,15 +152,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out_dir", type=Path, help="new directory for the HF model")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights dtype (default fp32)")
     ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
+    ap.add_argument("--merge", action="store_true", help="LoRA checkpoints: merge the adapter into its base")
     args = ap.parse_args(argv)
     try:
-        ckpt = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+        ckpt = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.merge)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"exported {ckpt} -> {args.out_dir} ({args.dtype}); AutoModelForCausalLM.from_pretrained('{args.out_dir}') loads it"
+    loader = (
+        f"PeftModel.from_pretrained(base, '{args.out_dir}')"
+        if is_adapter_dir(args.out_dir)
+        else f"AutoModelForCausalLM.from_pretrained('{args.out_dir}')"
     )
+    print(f"exported {ckpt} -> {args.out_dir} ({args.dtype}); {loader} loads it")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Sample from a trained run's exported model (train.py leaves output_dir as an HF model directory).
+"""Sample from a trained run's exported model (train.py leaves output_dir as an HF model directory, or as a
+PEFT adapter directory after a LoRA run: the adapter is loaded onto the base its adapter_config.json names).
 
     python tools/generate.py outputs/tiny-llama "Return the number of"                # sampled, seed 0
     python tools/generate.py outputs/tiny-sft "What is 2 plus 3?" --temperature 0     # greedy
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from zero_recipes.checkpoint import find_checkpoint
 from zero_recipes.config import ConfigError
+from zero_recipes.lora import is_adapter_dir, load_for_inference
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 END_OF_TURN = "<|im_end|>"  # the default ChatML-style template's end of turn (plain text, not a special token)
@@ -31,6 +33,8 @@ class InputError(Exception):
 def check_model_dir(d: Path) -> None:
     if not d.is_dir():
         raise InputError(f"{d} is not a directory; give a finished train.py --output_dir or an HF model directory")
+    if is_adapter_dir(d) and (d / "adapter_model.safetensors").is_file():
+        return
     if not (d / "config.json").is_file() or not any((d / w).is_file() for w in WEIGHTS):
         try:  # the checkpoint lookup export_hf.py and resume use: an output_dir, its checkpoints/ or a step-N
             found = find_checkpoint(d)
@@ -109,7 +113,10 @@ def generate(args) -> str:
         tok = AutoTokenizer.from_pretrained(args.output_dir)
         # GPU: the saved dtype (bf16 stays bf16). CPU: fp32, since CPU bf16/fp16 kernels are slow or missing.
         dtype = "auto" if device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=dtype)
+        if is_adapter_dir(args.output_dir):  # LoRA: the base the adapter names, then the adapter (peft)
+            model = load_for_inference(args.output_dir, dtype, as_trained=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as e:
         raise InputError(
             f"cannot load the model in {args.output_dir}: {str(e).splitlines()[0]}; check that it is "

@@ -216,15 +216,17 @@ def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_for_inference(path: Path, dtype):
-    """An adapter directory as a user loads it: the base it names, then `PeftModel.from_pretrained`."""
+def load_for_inference(path: Path, dtype, as_trained: bool = True):
+    """An adapter directory as a user loads it: the base it names, then `PeftModel.from_pretrained`.
+    `as_trained`: keep a 16-bit adapter in 16 bits (the engine's numerics, for the export check); otherwise
+    peft's default, which upcasts it to fp32."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_name = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype)
     # the adapter in the dtype it was trained in (peft would upcast a 16-bit one to fp32): the engine's numerics
-    return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=False).eval()
+    return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=not as_trained).eval()
 
 
 def changed_settings(previous: dict, signature: dict) -> list[str]:
