@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
     resume_request = checkpoint.check_output_dir(
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
+    checkpoint.check_resume_layout(resume_request, plan)
 
     threads = distributed.set_threads(local_world)
     distributed.init()

@@ -157,3 +157,19 @@ def small_llama(**fields):
     from transformers import AutoConfig
 
     return AutoConfig.for_model("llama", **{**SMALL_LLAMA, **fields})
+
+
+# Bad input: train.py run as one process, and the one `error:` line it must end with (no traceback)
+def run_train(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]

@@ -388,6 +388,26 @@ class ResumePlan:
         return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 
+def check_resume_layout(request: Optional[str], plan) -> None:
+    """Refuse, before any process group starts, a resume onto another world size or ZeRO stage that cannot
+    be converted (layout_change refuses the stage changes DeepSpeed cannot make)."""
+    where = resolve_resume(plan.output_dir, request)
+    saved = layout_change(where, plan.world, plan.zero_stage) if where else None
+    if saved is None:
+        return
+    if plan.cfg.lora_r > 0:
+        raise ConfigError(
+            f"this LoRA run was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}; its checkpoint "
+            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
+            f"Resume with {saved['world']} rank(s) and ZeRO-{saved['zero_stage']}"
+        )
+    if plan.cfg.streaming:
+        raise ConfigError(
+            f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+            "position cannot move to another world size. Resume with the same number of ranks"
+        )
+
+
 def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[ResumePlan]:
     """The checkpoint this launch resumes from, converted for a new layout when needed; None to start
     from scratch. `request` is what check_output_dir decided ('auto', a path or None). Collective when a
@@ -400,17 +420,6 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     saved = layout_change(where, plan.world, plan.zero_stage)
     if saved is None:
         return ResumePlan(where, where)
-    if plan.cfg.lora_r > 0:
-        raise ConfigError(
-            f"this LoRA run was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}; its checkpoint "
-            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
-            f"Resume with {saved['world']} rank(s) and ZeRO-{saved['zero_stage']}"
-        )
-    if plan.cfg.streaming:
-        raise ConfigError(
-            f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
-            "position cannot move to another world size. Resume with the same number of ranks"
-        )
     log(
         f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
         f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint"

@@ -1,24 +1,6 @@
 """Bad input: exit non-zero with one line that names the problem and the fix, and no traceback."""
 
-import subprocess
-import sys
-
-from helpers import REPO
-
-
-def run_train(*args, cwd=REPO):
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
-
-
-def one_error_line(proc) -> str:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ")
-    return lines[0]
+from helpers import one_error_line, run_train
 
 
 def test_missing_ds_config():
