@@ -197,3 +197,31 @@ def test_resuming_with_other_lora_settings_or_another_world_size_is_refused(lora
     # one rank instead of two: DeepSpeed's universal conversion cannot carry a checkpoint without the base
     line = one_error_line(run_train(*args, "--resume_from_checkpoint", "auto", "--output_dir", str(out)))
     assert "Resume with 2 rank(s) and ZeRO-2" in line
+
+
+def test_export_tool_and_generate_take_a_lora_run(lora_run, tmp_path):
+    """tools/export_hf.py turns the LoRA checkpoint into the adapter train.py exported (or a merged model);
+    tools/generate.py samples from the adapter directory."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from helpers import REPO
+
+    run = lora_run("zero3").check()
+
+    def tool(*args):
+        return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    adapter = tool("tools/export_hf.py", str(run.output_dir), str(tmp_path / "adapter"))
+    assert adapter.returncode == 0 and "PeftModel.from_pretrained" in adapter.stdout, adapter.stderr[-2000:]
+    want, got = (
+        load_file(run.output_dir / "adapter_model.safetensors"),
+        load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+    )
+    assert sorted(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
+    merged = tool("tools/export_hf.py", str(run.output_dir), str(tmp_path / "merged"), "--merge")
+    assert merged.returncode == 0 and (tmp_path / "merged" / "model.safetensors").is_file(), merged.stderr[-2000:]
+    text = tool("tools/generate.py", str(run.output_dir), "Return the", "--max_new_tokens", "8")
+    assert text.returncode == 0 and text.stdout.strip(), text.stderr[-2000:]

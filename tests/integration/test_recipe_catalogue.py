@@ -32,10 +32,12 @@ CATALOGUE = {
     "mistral-7b-sft.yaml": dict(data="alpaca", nproc=1, stage=2, offload=(None, None)),
     "llama-3.1-8b-sft-offload-24gb.yaml": dict(data="ultrachat", nproc=1, stage=3, offload=("cpu", "cpu")),
     "llama-3.1-70b-sft-multinode.yaml": dict(data="ultrachat", nproc=2, stage=3, offload=(None, None)),
+    "llama-3.1-8b-lora-24gb.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
+    "qwen2.5-7b-lora-zero3.yaml": dict(data="smoltalk", nproc=2, stage=3, offload=(None, None)),
 }
-# the quick start's recipes: tiny-sft is trained by test_sft_training.py; tiny-llama is the embedded default
+# the quick start's recipes: tiny-sft and tiny-lora-sft are trained by test_sft_training.py; tiny-llama is the embedded default
 # (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
-ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml"}
+ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml"}
 
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {
@@ -244,8 +246,14 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         if key in recipe:
             assert run_config[key] == recipe[key], key
 
-    # the output is a Hugging Face model of the recipe's architecture
-    model = AutoModelForCausalLM.from_pretrained(run.output_dir)
+    # the output is a Hugging Face model of the recipe's architecture, or a PEFT adapter on one
+    if recipe.get("lora"):
+        from zero_recipes.lora import load_for_inference
+
+        assert run_config["lora_r"] == recipe["lora"]["r"] and "lora: r" in run.log
+        model = load_for_inference(run.output_dir, dtype=None).get_base_model()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(run.output_dir)
     assert model.config.model_type == json.loads(shipped_config(name).read_text())["model_type"]
 
 
