@@ -32,11 +32,12 @@ def pretrained(trained):
     return trained("zero3", "fp32").check().output_dir
 
 
-def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(pretrained, tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny-sft.yaml", "tiny-lora-sft.yaml"])
+def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(recipe, pretrained, tmp_path):
     run = launch(
         [
             "--recipe",
-            "recipes/tiny-sft.yaml",
+            f"recipes/{recipe}",
             "--model_name_or_path",
             str(pretrained),
             "--max_steps",
@@ -56,13 +57,19 @@ def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(pretrained, tmp_path
     evals = [r for r in run.records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 40]  # eval_on_start gives the baseline
     assert all(0.0 <= r["eval_exact_match"] <= 1.0 for r in evals)
-    assert evals[1]["eval_loss"] < 0.5 * evals[0]["eval_loss"], evals
+    # full fine-tuning halves the eval loss in 40 steps. The adapter (rank 16) moves the session's barely
+    # trained 8-step base far less there (measured 7.71 -> 7.34); from the quick start's 200-step model the
+    # shipped recipe goes as far as tiny-sft does (docs/lora.md)
+    assert evals[1]["eval_loss"] < (
+        0.5 * evals[0]["eval_loss"] if recipe == "tiny-sft.yaml" else evals[0]["eval_loss"] - 0.2
+    ), evals
     assert "detected format" not in run.log and "default ChatML-style template" in run.log
     assert "no answer tokens" not in run.log
     # the exported tokenizer carries the chat template the model was trained with
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(run.output_dir)
+    assert (run.output_dir / "adapter_config.json").is_file() == (recipe == "tiny-lora-sft.yaml")
     assert "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
