@@ -5,12 +5,17 @@
     python tools/estimate_memory.py --recipe recipes/tiny-llama.yaml --deepspeed ds_configs/zero2.json --num_gpus 2
     python tools/estimate_memory.py --model path/to/config.json --table --gpu_memory 80GiB     # what fits where
     python tools/estimate_memory.py --model path/to/config.json --tokens 1e12 --num_gpus 64 --gpu H100  # compute
+    python tools/estimate_memory.py --model meta-llama/Llama-3.1-8B --deepspeed ds_configs/zero2.json \
+        ds_configs/bf16.json --lora_r 16 --gpu_memory 24GiB                                           # LoRA
 
 --model takes a hub id, a local model directory or a config.json; the architecture is built on the meta
 device from the config alone, so no weights are read and a local config works offline. --deepspeed
 fragments merge and their "auto"s resolve exactly as in train.py. Model states and DeepSpeed's buffers
 come from zero_recipes/memory/states.py (checked against DeepSpeed on the CPU accelerator, see
 benchmarks/estimator.md); activations are traced through the installed transformers model code.
+LoRA (--lora_r and the other LoRA options of train.py, or a recipe's `lora:` block): the adapters are counted
+by peft's own get_peft_model on the meta model; only they get grads and optimizer states. --table, when LoRA
+is not set, also tries LoRA r=16 on all-linear, before any offload.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ PREFERENCE = [
     for gc in (False, True)
     for name in group
 ]
+# Without LoRA set, --table also tries LoRA at this rank on every linear layer: after full fine-tuning without
+# offload, before any offload (training fewer parameters changes the result less than it costs speed to offload).
+TABLE_LORA_R = 16
+LORA_CONFIGS = ("zero1", "zero2", "zero3")
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
 
 
 def gb(n: float) -> str:
@@ -59,7 +69,14 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
 
     argv = ["--recipe", args.recipe] if args.recipe else []
     if args.model:
-        argv += ["--model_config", args.model] if args.model.endswith(".json") else ["--model_name_or_path", args.model]
+        # LoRA needs a pretrained base (zero_recipes.lora.validate_options); of a config.json the estimate reads
+        # only the architecture, which AutoConfig.from_pretrained reads from the file as well
+        as_config = args.model.endswith(".json") and not lora_requested(args)
+        argv += ["--model_config" if as_config else "--model_name_or_path", args.model]
+    for name in LORA_OPTIONS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name}", *(value if isinstance(value, list) else [str(value)])]
     if micro or args.micro_batch_size or not args.recipe:
         argv += ["--per_device_train_batch_size", str(micro or args.micro_batch_size or 1)]
     if args.seq_len:
@@ -69,6 +86,8 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     if deepspeed:
         argv += ["--deepspeed", *deepspeed]
     cfg, explicit = parse_args(argv)
+    if args.model and args.model.endswith(".json") and cfg.lora_r > 0:
+        check_config_file(args.model)
     if not cfg.deepspeed:
         raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
     if args.model and args.model.endswith(".json"):
@@ -80,6 +99,10 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
             "the model config has no hidden_size; give a complete config.json (with model_type "
             "and hidden_size), a model directory or a hub id"
         )
+    if cfg.lora_r > 0:
+        from zero_recipes import lora
+
+        lora.check_targets(cfg, config)  # a target the model lacks: the same one-line error as train.py's
     raw = ds_config.load_fragments(cfg.deepspeed)
     notes = []
     if (
@@ -95,6 +118,26 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
     return cfg, config, ds, notes
+
+
+def lora_requested(args) -> bool:
+    """LoRA set by a flag or by the recipe (a `lora:` block or `lora_r:`)."""
+    if args.lora_r is not None:
+        return args.lora_r > 0
+    if not args.recipe:
+        return False
+    from zero_recipes.config import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    block = recipe.get("lora") if isinstance(recipe.get("lora"), dict) else {}
+    return bool(recipe.get("lora_r", block.get("r", 0)))
+
+
+def lora_of(cfg):
+    """The run's peft LoraConfig (zero_recipes.lora.lora_config, as train.py wraps the model), or None."""
+    from zero_recipes import lora
+
+    return lora.lora_config(cfg) if lora.enabled(cfg) else None
 
 
 def check_config_file(path: str) -> None:
@@ -124,7 +167,7 @@ def one(args, gpu_memory):
         cfg.gradient_checkpointing,
         cfg.attn_implementation or "sdpa",
     )
-    e = estimate(config, ds, launch, gpu_memory=gpu_memory)
+    e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg))
     e.notes = notes
     return e, cfg, config
 
@@ -139,6 +182,14 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
         f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
     )
+    if e.trainable_params is not None:
+        print(
+            f"lora: r {cfg.lora_r} on {', '.join(cfg.lora_target_modules)}; trains {e.trainable_params:,} of "
+            f"{e.num_params:,} parameters ({100 * e.trainable_params / e.num_params:.2f} %); the frozen base at "
+            f"{2 if e.precision != 'fp32' else 4} bytes each, no grads or optimizer states"
+        )
+    else:
+        print(f"trainable: all {e.num_params:,} parameters (full fine-tuning)")
     for note in e.notes:
         print(f"note: {note}")
     print(f"\n{'phase':18s}{'per GPU':>14s}{'states':>14s}{'buffers':>14s}{'activations':>14s}{'host/rank':>14s}")
@@ -167,112 +218,148 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         )
 
 
+def table_variants(cfg, config, precision: str) -> list[dict]:
+    """What the table tries: the run as given (full fine-tuning, or the LoRA it sets) over every config, and,
+    when LoRA is not set, LoRA r=TABLE_LORA_R on all-linear over the configs without offload. Each with its
+    shape (peft's count on the meta model) and activations traced once per checkpointing choice."""
+    import dataclasses
+
+    import torch
+
+    from zero_recipes.memory import ModelShape, activation_bytes
+
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # activations: 2 bytes in bf16 and fp16 alike
+    runs = [(cfg, list(TABLE_CONFIGS))]
+    if cfg.lora_r == 0:
+        runs.append((dataclasses.replace(cfg, lora_r=TABLE_LORA_R, lora_target_modules=["all-linear"]), LORA_CONFIGS))
+    out = []
+    for run_cfg, names in runs:
+        lora = lora_of(run_cfg)
+        out.append(
+            {
+                "lora_r": run_cfg.lora_r,
+                "lora": lora,
+                "configs": names,
+                "shape": ModelShape.of(config, lora),
+                "acts": {
+                    gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa", lora)
+                    for gc in (False, True)
+                },
+            }
+        )
+    return out
+
+
+def preference(variants: list[dict]) -> list[tuple]:
+    """(config, checkpointing, lora_r) in the order the table recommends: full fine-tuning without offload,
+    then the LoRA the table tried, then offload; within each, lower stages first, checkpointing second."""
+    given, tried = variants[0]["lora_r"], [v["lora_r"] for v in variants[1:]]
+    order = [(name, gc, given) for name, gc in PREFERENCE if name in LORA_CONFIGS]
+    order += [(name, gc, r) for r in tried for gc in (False, True) for name in LORA_CONFIGS]
+    return order + [(name, gc, given) for name, gc in PREFERENCE if name not in LORA_CONFIGS]
+
+
 def table(args, gpu_memory) -> dict:
-    """Every GPU count x config x gradient checkpointing; activations traced once per checkpointing choice and
-    scaled by micro-batch (exact for sdpa/flash: they are linear in it)."""
+    """Every GPU count x config x gradient checkpointing (and the LoRA tried); activations scaled by
+    micro-batch (exact for sdpa/flash: they are linear in it)."""
     import dataclasses
 
     from zero_recipes.ds_config import precision as ds_precision
-    from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
+    from zero_recipes.memory import Launch, estimate
 
     cfg, config, ds, notes = load(args, args.deepspeed or TABLE_CONFIGS["zero1"], 1)
-    shape = ModelShape.of(config)
-    import torch
-
     precision = ds_precision(ds)
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # activations: 2 bytes in bf16 and fp16 alike
-    acts = {
-        gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
-        for gc in (False, True)
-    }
-    rows, best = [], {}
+    variants = table_variants(cfg, config, precision)
+    rows, lora_rows, best, best_full = [], [], {}, {}
     extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
+    micro0 = cfg.per_device_train_batch_size
+
+    def run(v, ds_n, n, gc, micro):
+        act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
+        launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
+        return estimate(config, ds_n, launch, v["shape"], act, gpu_memory, lora=v["lora"])
+
     for n in GPU_COUNTS:
-        world = n * args.num_nodes
         fitting = {}
-        for gc in (False, True):
-            for name, files in TABLE_CONFIGS.items():
-                _, _, ds_n, _ = load(args, [*files, *extra], world)
-                act = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * cfg.per_device_train_batch_size)
-                e = estimate(
-                    config,
-                    ds_n,
-                    Launch(n, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size, gc),
-                    shape,
-                    act,
-                    gpu_memory,
-                )
-                rows.append(
-                    {
-                        "num_gpus": n,
-                        "config": name,
-                        "gradient_checkpointing": gc,
-                        "peak_bytes": e.per_gpu["peak_bytes"],
-                        "fits": e.fits,
-                        "fit": e.fit,
-                    }
-                )
-                if e.fits:
-                    fitting[name, gc] = (ds_n, e)
-        pick = next((key for key in PREFERENCE if key in fitting), None)
-        if pick:
-            name, gc = pick
-            ds_n, e = fitting[pick]
-            micro = cfg.per_device_train_batch_size  # the largest micro-batch that still fits, doubling
-            while micro < 1024:
-                act2 = dataclasses.replace(acts[gc], bytes=acts[gc].bytes * micro * 2)
-                if not estimate(
-                    config, ds_n, Launch(n, args.num_nodes, micro * 2, cfg.block_size, gc), shape, act2, gpu_memory
-                ).fits:
-                    break
-                micro *= 2
-            best[n] = {
-                "config": name,
-                "gradient_checkpointing": gc,
-                "peak_bytes": e.per_gpu["peak_bytes"],
-                "max_micro_batch_size": micro,
-            }
+        for v in variants:
+            for gc in (False, True):
+                for name in v["configs"]:
+                    _, _, ds_n, _ = load(args, [*TABLE_CONFIGS[name], *extra], n * args.num_nodes)
+                    e = run(v, ds_n, n, gc, micro0)
+                    row = {"num_gpus": n, "config": name, "gradient_checkpointing": gc}
+                    row.update(peak_bytes=e.per_gpu["peak_bytes"], fits=e.fits, fit=e.fit, lora_r=v["lora_r"])
+                    (rows if v is variants[0] else lora_rows).append(row)
+                    if e.fits:
+                        fitting[name, gc, v["lora_r"]] = (ds_n, e, v)
+        for order, into in ((preference(variants), best), (preference(variants[:1]), best_full)):
+            pick = next((key for key in order if key in fitting), None)
+            if pick:
+                ds_n, e, v = fitting[pick]
+                micro = micro0  # the largest micro-batch that still fits, doubling
+                while micro < 1024 and run(v, ds_n, n, pick[1], micro * 2).fits:
+                    micro *= 2
+                into[n] = {
+                    "config": pick[0],
+                    "gradient_checkpointing": pick[1],
+                    "peak_bytes": e.per_gpu["peak_bytes"],
+                    "max_micro_batch_size": micro,
+                    "lora_r": pick[2],
+                    "trainable_params": e.trainable_params,
+                }
     return {
-        "num_params": shape.num_params,
+        "num_params": variants[0]["shape"].num_params,
         "precision": precision,
         "seq_len": cfg.block_size,
-        "micro_batch_size": cfg.per_device_train_batch_size,
+        "micro_batch_size": micro0,
         "gpu_memory": gpu_memory,
+        "lora_r": cfg.lora_r,
         "rows": rows,
+        "lora_rows": lora_rows,
+        "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if lora_rows else None,
         "recommended": best,
+        "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
         "notes": notes,
     }
 
 
 def print_table(t: dict) -> None:
+    lora = f", LoRA r {t['lora_r']}" if t["lora_r"] else ""
     print(
-        f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}, micro-batch {t['micro_batch_size']} x "
+        f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}{lora}, micro-batch {t['micro_batch_size']} x "
         f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])}, ~ tight: the allocated peak "
         "fits, not with the CUDA context, NCCL and fragmentation)"
     )
-    names = list(TABLE_CONFIGS)
-    print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{n:>24s}" for n in names))
+    if t["lora_tried"]:
+        print(f"+lora: LoRA r {t['lora_tried']['r']} on all-linear (not set: tried before any offload)")
+    rows = t["rows"] + t["lora_rows"]
+    columns = list(dict.fromkeys((r["config"], r["lora_r"]) for r in rows))
+    label = {k: k[0] + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "") for k in columns}
+    print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{label[k]:>24s}" for k in columns))
     for n in GPU_COUNTS:
         for gc in (False, True):
-            cells = [r for r in t["rows"] if r["num_gpus"] == n and r["gradient_checkpointing"] == gc]
+            cells = {
+                (r["config"], r["lora_r"]): r for r in rows if r["num_gpus"] == n and r["gradient_checkpointing"] == gc
+            }
             print(
                 f"{n:>5d} {'on' if gc else 'off':>3s} "
                 + " ".join(
-                    f"{gb(r['peak_bytes']) + {'yes': '*', 'tight': '~', 'no': ' '}[r['fit']]:>24s}" for r in cells
+                    f"{gb(cells[k]['peak_bytes']) + {'yes': '*', 'tight': '~', 'no': ' '}[cells[k]['fit']]:>24s}"
+                    for k in columns
                 )
             )
     print()
     for n in GPU_COUNTS:
         b = t["recommended"].get(n)
-        print(
-            f"{n:>3d} GPU(s): "
-            + (
-                f"{b['config']}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
-                f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
-                if b
-                else "nothing fits"
-            )
-        )
+        print(f"{n:>3d} GPU(s): " + (recommendation(b, t["lora_r"]) if b else "nothing fits"))
+
+
+def recommendation(b: dict, lora_given: int) -> str:
+    lora = f" + LoRA r{b['lora_r']}" if b["lora_r"] and not lora_given else ""
+    return (
+        f"{b['config']}{lora}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
+        f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
+        + (" (LoRA: full fine-tuning fits only with offload or not at all)" if lora else "")
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -286,6 +373,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the recipe's block_size)")
     ap.add_argument("--gradient_checkpointing", action="store_true")
     ap.add_argument("--gpu_memory", help="memory per GPU, e.g. 80GiB; says whether it fits")
+    lora = ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)")
+    lora.add_argument("--lora_r", type=int, help="LoRA rank (0: full fine-tuning, the default)")
+    lora.add_argument("--lora_alpha", type=float)
+    lora.add_argument("--lora_dropout", type=float)
+    lora.add_argument("--lora_target_modules", nargs="+", help="default all-linear (every linear but the head)")
+    lora.add_argument("--modules_to_save", nargs="+", help="modules trained in full beside the adapters")
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
     ap.add_argument("--tokens", type=float, help="training tokens: adds total FLOPs, time, GPU-hours and energy")

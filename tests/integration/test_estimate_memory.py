@@ -171,9 +171,12 @@ def test_table_marks_what_fits_and_recommends_the_least_offload(config_json):
     assert {r["num_gpus"] for r in t["rows"]} == {1, 2, 4, 8, 16, 32, 64}
     one = {(r["config"], r["gradient_checkpointing"]): r for r in t["rows"] if r["num_gpus"] == 1}
     assert not one["zero1", False]["fits"] and one["zero3+offload_all", True]["fits"]
-    rec = t["recommended"]["1"]
+    # full fine-tuning fits one GPU only with offload; LoRA (not set, so tried) without it comes first
+    rec = t["recommended_full_fine_tuning"]["1"]
     assert rec["config"].endswith("offload_optimizer") or rec["config"] == "zero3+offload_all"
+    assert t["recommended"]["1"]["lora_r"] == 16 and t["recommended"]["1"]["config"] in ("zero1", "zero2", "zero3")
     assert t["recommended"]["64"]["config"] in ("zero1", "zero2", "zero3")  # enough GPUs: no offload needed
+    assert t["recommended"]["64"]["lora_r"] == 0  # and full fine-tuning fits, so no LoRA either
     assert rec["max_micro_batch_size"] >= 1
 
 
@@ -246,3 +249,33 @@ def test_bad_input_is_one_line(args, words, tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.strip() and "WARNING" not in x]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-2000:]
     assert words in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_lora_options_and_recipe_block(config_json, tmp_path):
+    """--lora_r on a local config.json, and a recipe's `lora:` block: the trainable count is peft's, the frozen
+    base shrinks the states far below full fine-tuning's, and a target the model lacks is one line, exit 2."""
+
+    from peft import LoraConfig, get_peft_model
+
+    from zero_recipes.model import meta_model
+
+    want = get_peft_model(
+        meta_model(small_llama()), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    ).get_nb_trainable_parameters()[0]
+    base = ["--model", str(config_json), "--deepspeed", "ds_configs/zero2.json", "ds_configs/bf16.json"]
+    lora = ["--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    out = json.loads(run_cli(*base, *lora, "--json").stdout)
+    full = json.loads(run_cli(*base, "--json").stdout)
+    assert out["trainable_params"] == want and full["trainable_params"] is None
+    states = lambda e: e["phases"]["optimizer_step"]["model_states_bytes"]  # noqa: E731
+    assert states(out) < states(full) / 4
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {config_json.parent}\nlora:\n  r: 8\n  target_modules: [q_proj, v_proj]\n"
+        "block_size: 256\n"
+    )
+    proc = run_cli("--recipe", str(recipe), "--deepspeed", "ds_configs/zero3.json", "ds_configs/bf16.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"trains {want:,} of" in proc.stdout and " x 256 tokens" in proc.stdout
+    bad = run_cli(*base, "--lora_r", "8", "--lora_target_modules", "qkv_proj")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --lora_target_modules")

@@ -5,7 +5,7 @@
         --probe_out /tmp/probe.json
 
 It takes train.py's flags and builds the model and engine with the same code (zero_recipes.model,
-zero_recipes.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
+zero_recipes.lora, zero_recipes.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
 torch.profiler with profile_memory. Every allocation and free of the CPU allocator is an event, so the
 live bytes at each moment are their running sum: exact for torch tensors (DeepSpeed's flat buffers, its
 C++ Adam's states and gloo's staging tensors included), blind to non-torch memory (the Python heap,
@@ -18,15 +18,21 @@ Phases are marked with record_function: init (model and engine), forward_backwar
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
-from zero_recipes import distributed, model as modeling
+from zero_recipes import distributed, lora, model as modeling
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
+
+# transformers 5 reads a checkpoint's tensors in a thread pool, and the profiler misses the allocations of
+# those threads (measured: an fp32 load of a bf16 checkpoint showed the bf16 reads, never the fp32 weights).
+# Loading on the main thread ends with the same tensors, and every allocation is seen.
+os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state
@@ -80,7 +86,11 @@ def main(argv: list[str]) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("phase:init"):
             hf_ds = HfDeepSpeedConfig(ds)  # noqa: F841 -- alive while the model is built, as in train.py
-            model = modeling.build_model(cfg, model_config, torch.float32, rank)
+            # as train.py's build_model: a pretrained base loads in bf16 under bf16, and LoRA wraps it
+            bf16_load = plan.precision == "bf16" and cfg.model_name_or_path
+            model = modeling.build_model(cfg, model_config, torch.bfloat16 if bf16_load else torch.float32, rank)
+            if lora.enabled(cfg):
+                model = lora.wrap(model, cfg)
             engine = make_engine(cfg, model, ds, STEPS)
         engine.train()
         for ids in batches:
@@ -91,6 +101,7 @@ def main(argv: list[str]) -> int:
                 engine.step()
     mine = timeline(prof)
     mine["num_params"] = modeling.num_params(engine.module)
+    mine["trainable_params"] = lora.trainable_count(engine.module)[0]
     mine["precision"] = plan.precision
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)

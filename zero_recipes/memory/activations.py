@@ -83,21 +83,38 @@ def _with_layers(config, layers: int):
     return c
 
 
-def trace_peak(config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str) -> int:
+def trace_peak(
+    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str, lora=None
+) -> int:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     attn = "sdpa" if attn.startswith("flash") else attn  # same memory class: no s x s matrix is kept
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         if gradient_checkpointing:
             from ..model import enable_checkpointing
 
             enable_checkpointing(model)
+    if lora is not None:
+        # peft's LoRA layers as train.py wraps them (zero_recipes.lora.wrap): lora_A, lora_B and the dropout save
+        # their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped
+        # outside the fake mode: peft moves each new adapter to its base layer's device, which fake parameters
+        # cannot be swapped for (an error, measured); the adapters of one or two layers are small real tensors.
+        import warnings
+
+        from peft import get_peft_model
+
+        with warnings.catch_warnings():  # modules_to_save deep-copies fake parameters: torch warns, harmlessly
+            warnings.simplefilter("ignore", UserWarning)
+            model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
+    with mode:
         model.train()
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         tracker = _tracker_class()(list(model.parameters()) + list(model.buffers()))
         with tracker:
@@ -126,14 +143,15 @@ def closed_form(
 
 
 def activation_bytes(
-    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str = "sdpa"
+    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str = "sdpa", lora=None
 ) -> Activations:
+    """`lora`: a peft LoraConfig (zero_recipes.lora.lora_config) to trace the peft-wrapped model, else None."""
     import torch
 
     layers = config.get_text_config().num_hidden_layers
     try:
         one, two = (
-            trace_peak(_with_layers(config, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn)
+            trace_peak(_with_layers(config, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn, lora)
             for n in (1, 2)
         )
     except Exception:  # noqa: BLE001 -- any model code that cannot run on fake tensors

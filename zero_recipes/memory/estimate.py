@@ -75,14 +75,33 @@ def parse_memory(text: str) -> int:
 class ModelShape:
     num_params: int
     largest_param: int
+    trainable: int | None = None
+    """LoRA: the parameters the optimizer steps (adapters, modules_to_save); None: all (full fine-tuning)."""
+    largest_trainable: int = 0
 
     @classmethod
-    def of(cls, config) -> "ModelShape":
-        """Built on the meta device from the config alone: no weights read, no memory."""
+    def of(cls, config, lora=None) -> "ModelShape":
+        """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
+        LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
+        so the adapters' count is peft's, for any architecture and target list."""
+        import copy
+
+        from ..lora import trainable_count
         from ..model import meta_model, num_params
 
         model = meta_model(config)
-        return cls(num_params(model), max(p.numel() for p in model.parameters()))
+        if lora is None:
+            return cls(num_params(model), max(p.numel() for p in model.parameters()))
+        from peft import get_peft_model
+
+        model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return cls(
+            num_params(model),
+            max(p.numel() for p in model.parameters()),
+            trainable_count(model)[0],
+            max((p.numel() for p in trainable), default=0),
+        )
 
 
 @dataclass
@@ -119,6 +138,8 @@ class Estimate:
     """True only for fit == 'yes': what a launch can count on."""
     fit: str | None = None
     notes: list = field(default_factory=list)
+    trainable_params: int | None = None
+    """LoRA: the parameters trained (adapters, modules_to_save); None for full fine-tuning."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -131,15 +152,17 @@ def estimate(
     shape: ModelShape | None = None,
     activations: Activations | None = None,
     gpu_memory: int | None = None,
+    lora=None,
 ) -> Estimate:
-    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it.
+    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it; `lora` a peft
+    LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None.
     Over 60 lines: the phases' device/host split is assembled term by term in one place, so each term's
     source reads next to the others (issue 15 re-derives the GPU split here)."""
     import torch
 
     from ..ds_config import offloads, zero_stage
 
-    shape = shape or ModelShape.of(model_config)
+    shape = shape or ModelShape.of(model_config, lora)
     precision = ds_precision(ds)
     p = 4 if precision == "fp32" else 2
     stage = zero_stage(ds)
@@ -161,6 +184,11 @@ def estimate(
             else launch.optimizer_temporaries
         ),
         accelerator=launch.accelerator,
+        trainable=shape.trainable,
+        largest_trainable=shape.largest_trainable,
+        load_bytes=2
+        if precision == "bf16"
+        else 4,  # train.py's build_model: a pretrained base loads in bf16 under bf16
     )
     by_phase = phases(setup)
     if activations is None:
@@ -172,6 +200,7 @@ def estimate(
             dtype,
             launch.gradient_checkpointing,
             launch.attn_implementation,
+            lora,
         )
     table = {}
     for name in PHASES:
@@ -195,6 +224,8 @@ def estimate(
     # it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time.
     host_states = max(t["host_bytes"] for t in table.values())
     init_host = 4 * shape.num_params if stage < 3 else min(5 * 10**9, 2 * shape.num_params)
+    if shape.trainable is not None:  # LoRA loads a pretrained base in setup.load_bytes (and its reads, states.py)
+        init_host = setup.load_bytes * shape.num_params + by_phase["init"].host_buffers if stage < 3 else init_host
     nvme = {off_opt, off_par} & {"nvme"}
     offloaded_to_host = 0 if nvme else host_states
     # pin_memory defaults to true in DeepSpeed 0.19.8 (runtime/zero/offload_config.py): pinned unless a file says false
@@ -228,6 +259,7 @@ def estimate(
         activations.method,
         None if fit is None else fit == "yes",
         fit,
+        trainable_params=shape.trainable,
     )
 
 
@@ -280,6 +312,8 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     import torch
 
     try:
+        from ..lora import enabled, lora_config
+
         e = estimate(
             model_config,
             ds,
@@ -292,6 +326,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 cfg.attn_implementation or "sdpa",
                 "gpu" if torch.cuda.is_available() else "cpu",
             ),
+            lora=lora_config(cfg) if enabled(cfg) else None,
         )
     except Exception as err:  # noqa: BLE001
         return None, f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"

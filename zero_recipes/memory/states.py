@@ -10,11 +10,15 @@ Two accountings, because host and device are one pool on the CPU accelerator and
 
 p: bytes of a training parameter (2 in bf16/fp16, 4 in fp32). N: data-parallel ranks. F: the largest
 single parameter (usually the embedding). Adam's two moments are fp32 (8 B), so is the master copy (4 B).
+
+LoRA (`Setup.trainable` below the parameter count): only the optimizer's parameters get grads, master copies,
+Adam moments and the buffers sized by them, so the trainable part is the same accounting over the trainable
+parameters alone; the frozen base adds its weights at p bytes (`frozen_phases`), partitioned under ZeRO-3.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 
@@ -36,6 +40,13 @@ class Setup:
     adam_temporaries: int = 0
     zero_init: bool = True  # ZeRO-3 builds the model straight into partitions
     accelerator: str = "gpu"  # "gpu": device and host apart (gpu_phases); "cpu": one pool (cpu_phases)
+    # LoRA: the parameters the optimizer steps (adapters and modules_to_save) and the largest of them; None:
+    # all of them (full fine-tuning). The rest is the frozen base.
+    trainable: int | None = None
+    largest_trainable: int = 0
+    # Bytes per parameter the frozen base is loaded in: train.py loads a pretrained base in bf16 under bf16,
+    # in fp32 otherwise (fp16 casts after the load).
+    load_bytes: int = 4
 
 
 @dataclass
@@ -71,6 +82,8 @@ def _split(total: float, states: float, host: float) -> PhaseBytes:
 
 def phases(s: Setup) -> dict[str, PhaseBytes]:
     """Bytes of one rank in each phase (plus "steady" and "forward"), activations excluded."""
+    if s.trainable is not None and s.trainable < s.num_params:
+        return lora_phases(s)
     if s.accelerator == "cpu" or s.stage == 0:
         # ZeRO-0 puts nothing on the host: in bf16/fp16 engine.py `_do_optimizer_sanity_check` picks the FP16
         # wrapper and `_configure_fp16_optimizer` builds FP16_UnfusedOptimizer around torch AdamW, whose fp32
@@ -266,3 +279,78 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
             "optimizer_step": [steady, bucket + (0 if off_opt else sub_group * (1 + temp / 4)), host_states, host_step],
         }
     return {k: PhaseBytes(int(a * P), int(b * P), int(c * P), int(d * P)) for k, (a, b, c, d) in dev.items()}
+
+
+# A pretrained checkpoint is read one shard at a time (5 GB at most, transformers' default shard size), stored
+# in bf16 as hub checkpoints are: what a load holds beyond the parameters it fills, at most.
+CHECKPOINT_SHARD_BYTES = 5 * 10**9
+
+
+def lora_phases(s: Setup) -> dict[str, PhaseBytes]:
+    """LoRA: the trainable parameters under full fine-tuning's accounting, plus the frozen base. DeepSpeed sizes
+    its optimizer-side memory by the optimizer's param groups, which hold only the trainable parameters:
+    zero/stage_1_and_2.py `DeepSpeedZeroOptimizer.__init__` flattens `optimizer.param_groups` into
+    `bit16_groups_flat`, stage3.py `_create_fp16_partitions_with_defragmentation` and `_create_fp32_partitions`
+    likewise, fp16/unfused_optimizer.py `FP16_UnfusedOptimizer` (ZeRO-0 in bf16/fp16) copies only them to fp32.
+    The reduce buckets (`setup_buckets`, stage3 `__init__`) are reduce_bucket_size whatever is trained, as
+    before; the in-flight grad is the largest *trainable* parameter's."""
+    trained = phases(replace(s, num_params=s.trainable, largest_param=max(1, s.largest_trainable), trainable=None))
+    frozen = frozen_phases(s)
+    if s.stage in (1, 2) and s.offload_optimizer is not None and (s.accelerator == "cpu"):
+        # cpu_phases' offload branch folds `setup_buckets`' reduce bucket (reduce_bucket_size elements, allocated
+        # at the first backward) into per-parameter constants measured on a 34M model; over a LoRA's few trainable
+        # parameters that share vanishes (measured: 96 MB under), so the bucket is added whole here
+        bucket = (
+            _bucket(s.zero, "reduce_bucket_size", 5e8) * s.bytes_per_param * (2 if s.zero.get("overlap_comm") else 1)
+        )
+        fb = frozen["forward_backward"]
+        frozen["forward_backward"] = PhaseBytes(fb.states, int(fb.buffers + bucket), fb.host_states, fb.host_buffers)
+    return {
+        k: PhaseBytes(
+            t.states + f.states, t.buffers + f.buffers, t.host_states + f.host_states, t.host_buffers + f.host_buffers
+        )
+        for k, t in trained.items()
+        for f in (frozen[k],)
+    }
+
+
+def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
+    """The frozen base of a LoRA run: its weights at p bytes, no grad, no master copy, no Adam moments.
+    `states` are the weights; `buffers` what loading and ZeRO-3's gathering add."""
+    P, N, p = s.num_params, s.world, s.bytes_per_param
+    F = P - s.trainable
+    cpu = s.accelerator == "cpu" or s.stage == 0  # one pool, or (ZeRO-0) nothing on the host by design
+    # The checkpoint's reads: ZeRO-0/1/2 load tensors that become the parameters, with nothing left over when
+    # the load dtype is the checkpoint's (bf16); an fp32 load holds the bf16 reads until the load ends
+    # (measured). ZeRO-3 (transformers' `_load_state_dict_into_zero3_model`) holds the state dict in the load
+    # dtype while it copies each gathered parameter. On a GPU both are host memory.
+    ckpt = (s.load_bytes if s.stage == 3 else (2 if s.load_bytes != 2 else 0)) * F
+    ckpt = min(ckpt, CHECKPOINT_SHARD_BYTES)
+    if s.stage < 3:
+        # engine.py `_configure_distributed_model` casts the module (frozen weights too) to p bytes on the host
+        # before it moves it; the load itself is in load_bytes
+        init_states = s.load_bytes * F if cpu else p * F
+        out = dict.fromkeys(("steady", "forward", "forward_backward", "optimizer_step"), PhaseBytes(p * F, 0, 0))
+        out["init"] = PhaseBytes(int(init_states), int(ckpt) if cpu else 0, 0, 0 if cpu else int(ckpt))
+        return out
+    off_par = s.offload_param is not None
+    cap = _bucket(s.zero, "stage3_max_live_parameters", 1e9) + _bucket(s.zero, "stage3_prefetch_bucket_size", 5e7)
+    share = 1.0 if (off_par and not cpu) else 1 - 1 / N  # on a GPU, offload_param fetches this rank's share too
+
+    def gathered(n: int) -> float:  # the live-parameter cap applies to frozen and trainable together
+        return p * min(share * n, cap)
+
+    extra = gathered(P) - gathered(s.trainable)  # the frozen part of what a forward gathers
+    part = p * F / N  # zero/partition_parameters.py `Init`: partitioned like every parameter
+    dev_part, host_part = (0.0, part) if off_par else (part, 0.0)
+    # CPU, measured on several ranks: ~1.2p B/param of gathered parameters stay between steps (the part of the
+    # full fine-tuning term that is parameters; its 0.3 B is the gradient buffer, trainable only). On one rank
+    # nothing is gathered (measured: the frozen base adds p alone).
+    resident = 1.2 * p * F * min(1.0, (cap + _bucket(s.zero, "sub_group_size", 1e9)) / P) if cpu and N > 1 else 0.0
+    steady = PhaseBytes(int(dev_part), int(resident), int(host_part))
+    moving = PhaseBytes(int(dev_part), int(resident + extra), int(host_part))
+    # init: the partition plus the state dict being copied in (on the host on a GPU); on a GPU also the
+    # parameter `GatheredParameters` gathers whole to copy its entry into, at most the largest
+    init_dev = int(ckpt) if cpu else int(p * s.largest_param)
+    init = PhaseBytes(int(dev_part), init_dev, int(host_part), 0 if cpu else int(ckpt))
+    return {"steady": steady, "forward": moving, "forward_backward": moving, "optimizer_step": steady, "init": init}
