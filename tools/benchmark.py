@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zero_recipes.bench import data, estimator, estimator_public, export, gpu, settings, speed
+from zero_recipes.bench import data, estimator, estimator_public, export, gpu, lora, settings, speed
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, estimator_public, speed, settings, gpu):
+    for module in (data, export, estimator, estimator_public, speed, settings, gpu, lora):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

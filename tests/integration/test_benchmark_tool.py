@@ -65,3 +65,28 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
 
     pred = {name: predicted(files) for name, files in CONFIGS.items()}
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory
+
+
+def test_lora_benchmark_quick(tmp_path):
+    """Full fine-tuning and LoRA of the same base, each launched once under the allocator profiler: the report's
+    ratios are the ratios of its figures, and the LoRA checkpoint holds the adapter's states, not the model's."""
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark.py", "lora", "--quick", "--out-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    [report] = list(tmp_path.glob("lora-*.json"))
+    assert "LoRA / full" in report.with_suffix(".md").read_text()
+    r = json.loads(report.read_text())
+    assert r["settings"]["lora_line"].startswith("lora: r 16, alpha 16 on all-linear; trains")
+    fp32 = r["results"]["fp32"]
+    full, lora, q = fp32["variants"]["full"], fp32["variants"]["lora"], fp32["ratios"]
+    for key in ("tokens_per_sec", "peak_bytes", "checkpoint_bytes", "save_seconds"):
+        assert full[key]["median"] > 0 and lora[key]["median"] > 0
+        assert abs(q[key]["median"] - lora[key]["median"] / full[key]["median"]) < 1e-9
+    # the base is frozen: no fp32 master copy, gradients or Adam moments of its weights, on disk or in memory
+    assert lora["checkpoint_by_kind"]["optim_states"] < 0.2 * full["checkpoint_by_kind"]["optim_states"]
+    assert lora["train_step_peak_bytes"]["max"] < full["train_step_peak_bytes"]["min"]
