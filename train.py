@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
     if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
         lora.check_targets(cfg, plan.model_config)
+        lora.check_quantization(cfg, plan.model_config, plan.zero_stage)
     if cfg.dry_run:
         return dry_run(plan, log)
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
@@ -201,7 +202,7 @@ def verify_export(engine, plan: RunPlan, prepared, order, rank: int):
     rows = prepared.probe_rows
     probe = data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch()
     probe = probe["input_ids"][:1, :64].to(engine.device)
-    return modeling.verify_export(engine, plan.output_dir, probe, rank, DTYPES[plan.precision])
+    return modeling.verify_export(engine, plan.output_dir, probe, rank, DTYPES[plan.precision], plan.cfg.load_in_4bit)
 
 
 def dry_run(plan: RunPlan, log) -> int:

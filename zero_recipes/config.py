@@ -70,6 +70,9 @@ class TrainConfig:
     """Module names (or name suffixes) that get adapters; `all-linear`: every linear layer but the output head."""
     modules_to_save: list = field(default_factory=list)
     """Modules trained in full and saved with the adapter, e.g. `lm_head embed_tokens` for a new vocabulary."""
+    load_in_4bit: bool = False
+    """QLoRA: load the frozen base in 4 bits (bitsandbytes NF4, double quantisation; computed in the run's
+    precision). Needs LoRA and bitsandbytes; ZeRO-0/1/2 only."""
     merge_lora: bool = False
     """At the end, write the base with the adapters merged in (a plain HF model) instead of an adapter."""
 

@@ -14,6 +14,7 @@ which the adapter's `base_model_name_or_path` names.
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,13 @@ from typing import Optional
 from .config import ConfigError, TrainConfig
 
 ALL_LINEAR = "all-linear"
+QLORA_CPU_BLOCK = 64
+"""On a CPU, bitsandbytes 0.50's 4-bit matmul repacks each weight in blocks of 64 input features; a layer with
+another width fails inside the forward with a shape error (measured: 352 = 5.5 x 64)."""
+
+# bitsandbytes, which peft imports when it is installed, warns at import on CPUs with AVX512-BF16 that an
+# optional hub kernel is missing; its built-in fallback is what runs. Once per rank per launch, not actionable.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # A recipe's `lora:` block, in peft's LoraConfig names, and the options each key sets.
 LORA_BLOCK = {
@@ -62,6 +70,8 @@ def validate_options(cfg: TrainConfig) -> None:
     if cfg.lora_r < 0:
         raise ConfigError(f"--lora_r must be >= 0 (0 is full fine-tuning), got {cfg.lora_r}")
     if cfg.lora_r == 0:
+        if cfg.load_in_4bit:
+            raise ConfigError("--load_in_4bit (QLoRA) trains LoRA adapters on a 4-bit base: set --lora_r (e.g. 16)")
         if cfg.merge_lora:
             raise ConfigError("--merge_lora needs LoRA: set --lora_r (e.g. 16), or drop --merge_lora")
         return
@@ -94,6 +104,42 @@ def check_targets(cfg: TrainConfig, model_config) -> None:
                     f"--{option}: the model ({model_config.model_type}) has no module '{target}'; its linear "
                     f"layers are {', '.join(linear)} (or use {ALL_LINEAR})"
                 )
+
+
+def check_quantization(cfg: TrainConfig, model_config, zero_stage: int) -> None:
+    """QLoRA where it can run, refused in one line where it cannot; before any process group starts."""
+    if not cfg.load_in_4bit:
+        return
+    if zero_stage == 3:
+        raise ConfigError(
+            "--load_in_4bit with ZeRO-3 is not supported here: ZeRO-3 would partition bitsandbytes' packed 4-bit "
+            "weights and lose their quantisation state. Use ZeRO-2 (ds_configs/zero2.json): the 4-bit base is "
+            "a quarter of its bf16 size on every GPU, and the adapters' states are partitioned"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes") from None
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from .model import meta_model
+
+    model = meta_model(model_config)
+    head = model.get_output_embeddings()
+    narrow = sorted(
+        {
+            f"{name.rsplit('.', 1)[-1]} ({m.in_features})"
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and m.in_features % QLORA_CPU_BLOCK
+        }
+    )
+    if narrow:
+        raise ConfigError(
+            f"--load_in_4bit on a CPU: bitsandbytes' CPU 4-bit kernel needs layers {QLORA_CPU_BLOCK} inputs wide "
+            f"or a multiple of it; this model has {', '.join(narrow)}. Train LoRA without --load_in_4bit here"
+        )
 
 
 def lora_config(cfg: TrainConfig):
@@ -216,15 +262,17 @@ def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_for_inference(path: Path, dtype, as_trained: bool = True):
+def load_for_inference(path: Path, dtype, as_trained: bool = True, load_in_4bit: bool = False):
     """An adapter directory as a user loads it: the base it names, then `PeftModel.from_pretrained`.
     `as_trained`: keep a 16-bit adapter in 16 bits (the engine's numerics, for the export check); otherwise
-    peft's default, which upcasts it to fp32."""
+    peft's default, which upcasts it to fp32. `load_in_4bit`: the base quantised as QLoRA trained on it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from .model import quantized_load
+
     base_name = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype, **quantized_load(load_in_4bit, dtype))
     # the adapter in the dtype it was trained in (peft would upcast a 16-bit one to fp32): the engine's numerics
     return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=not as_trained).eval()
 

@@ -124,7 +124,11 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
     if cfg.model_name_or_path and cfg.model_config is None:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.model_name_or_path, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+                cfg.model_name_or_path,
+                config=config,
+                dtype=dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                **quantized_load(cfg.load_in_4bit, dtype),
             )
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load model '{cfg.model_name_or_path}': {str(e).splitlines()[0]}") from None
@@ -140,6 +144,23 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
         enable_checkpointing(model)
         model.config.use_cache = False
     return model
+
+
+def quantized_load(load_in_4bit: bool, dtype) -> dict:
+    """QLoRA's extra from_pretrained arguments: a 4-bit NF4 base (bitsandbytes) on this rank's device,
+    where bitsandbytes quantises it as it loads."""
+    if not load_in_4bit:
+        return {}
+    from deepspeed.accelerator import get_accelerator
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+    return {"quantization_config": quant, "device_map": {"": get_accelerator().current_device_name()}}
 
 
 def seeded_reinit(model, seed: int, rank: int) -> None:
@@ -247,7 +268,7 @@ def export_hf_model(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) ->
     torch.distributed.barrier()
 
 
-def verify_export(engine, out_dir: Path, probe, rank: int, dtype) -> Optional[float]:
+def verify_export(engine, out_dir: Path, probe, rank: int, dtype, load_in_4bit: bool = False) -> Optional[float]:
     """Reload `out_dir` on rank 0 with plain `from_pretrained` and return the max |logit difference|
     against the engine on the same input (all ranks run the engine: ZeRO-3 forwards are collective)."""
     import torch
@@ -263,7 +284,7 @@ def verify_export(engine, out_dir: Path, probe, rank: int, dtype) -> Optional[fl
 
         unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
         if lora.is_adapter_dir(out_dir):
-            reloaded = lora.load_for_inference(out_dir, dtype)
+            reloaded = lora.load_for_inference(out_dir, dtype, load_in_4bit=load_in_4bit)
         else:
             reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
         with torch.no_grad():
