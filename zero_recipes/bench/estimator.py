@@ -172,18 +172,23 @@ def label(p: dict) -> str:
 
 
 def lora_summary(points: list) -> str:
-    lora = [p["error"] for p in points if p.get("lora")]
+    lora = [p for p in points if p.get("lora")]
     if not lora:
         return "- No LoRA points in this run."
-    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in lora)
+    errs = [p["error"] for p in lora]
+    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
+    others = [e for p in lora for ph, e in p["phase_errors"].items() if ph != p["phase"]]
     return (
         f"- LoRA (r16 on all-linear; the base a bf16 checkpoint loaded as train.py loads it, wrapped by "
-        f"zero_recipes.lora.wrap): {inside} of {len(lora)} in target, worst over {max(lora):+.1%}, worst under "
-        f"{min(lora):+.1%}. Its ZeRO-3 misses: on one rank the peak is init, where transformers' ZeRO-3 load "
-        "holds ~0.3 B/param more than the partition plus the state dict the estimate counts (the same load on two "
-        "ranks matches to 0.1 %, so this is not a term the estimate can reason about; not fitted); on two ranks "
-        "the forward/backward peak is ZeRO-3's asynchronous gathering noted above (the frozen weights are gathered "
-        "too). `--only lora` remeasures these points and keeps the others as measured before."
+        f"zero_recipes.lora.wrap; `--only lora` remeasures these and keeps the other points as measured before): "
+        f"{inside} of {len(errs)} in target at their peak, worst over {max(errs):+.1%}, worst under {min(errs):+.1%}. "
+        f"The phases that are not the peak range {min(others):+.0%} to {max(others):+.0%} (estimator.json, "
+        "phase_errors): on two ZeRO-3 ranks the rank compared is the one with the largest peak, not rank 0, "
+        "the only rank transformers' ZeRO-3 load reads the checkpoint on, so its init is over; the frozen base's "
+        "~1.2p B/param kept gathered between steps (measured for full fine-tuning) is partly released by the "
+        "step. The one-rank ZeRO-3 bf16 run is not repeatable to 16 MB: its init peak was 167.9, 169.3 and "
+        "185.7 MB in three runs (an embedding-sized temporary of the load outlives it or not, and then stays "
+        "through the later phases)."
     )
 
 
