@@ -5,6 +5,7 @@ the docs' relative links point at files that exist. No test depends on a documen
 
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def quick_start_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_start_model):
+def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_start_model, tmp_path):
     text = recipe.read_text()
     for label in ("# Trains:", "# Hardware:", "# Launch:", "# Memory:"):
         assert label in text, f"{recipe.name} header lacks {label}"
@@ -59,6 +60,11 @@ def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_st
         shipped = re.search(r"--model (recipes/configs/\S+\.json)", text)
         assert shipped, f"{recipe.name}: a hub model's '# Memory:' command must name its config in recipes/configs/"
         extra = ["--model_config", shipped.group(1)]
+        if re.search(r"^lora:", text, flags=re.M):  # LoRA needs a pretrained directory: its config stands in
+            local = tmp_path / "model"
+            local.mkdir()
+            shutil.copy(REPO / shipped.group(1), local / "config.json")
+            extra = ["--model_name_or_path", str(local)]
     out = dry_run(["--recipe", str(recipe), *extra], capsys)
     assert "plan: model" in out and '"auto"' not in out
     assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate
