@@ -93,6 +93,11 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
             'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
             "would train in fp32); add ds_configs/bf16.json for bf16"
         )
+    if getattr(cfg, "load_in_4bit", False):
+        notes.append(
+            "load_in_4bit (QLoRA) is not modelled: the frozen base is counted at the run's 16-bit size, about 4x "
+            "what NF4 holds, so model states are overestimated"
+        )
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
