@@ -103,13 +103,17 @@ def trace_peak(
         # their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped
         # outside the fake mode: peft moves each new adapter to its base layer's device, which fake parameters
         # cannot be swapped for (an error, measured); the adapters of one or two layers are small real tensors.
-        import warnings
-
+        # modules_to_save are wrapped without peft's copy of them: deep-copying fake parameters crashed the
+        # process (a segfault, measured, in the traced backward). A trainable copy of a module saves what the
+        # module itself saves once made trainable, so the originals are made trainable instead.
         from peft import get_peft_model
 
-        with warnings.catch_warnings():  # modules_to_save deep-copies fake parameters: torch warns, harmlessly
-            warnings.simplefilter("ignore", UserWarning)
-            model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
+        traced = copy.deepcopy(lora)
+        to_save, traced.modules_to_save = list(traced.modules_to_save or []), None
+        model = get_peft_model(model, traced, autocast_adapter_dtype=False)
+        for name, module in model.named_modules():
+            if any(name == t or name.endswith("." + t) for t in to_save):
+                module.requires_grad_(True)
     with mode:
         model.train()
         for p in model.parameters():
