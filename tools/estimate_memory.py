@@ -56,6 +56,8 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name}", *(value if isinstance(value, list) else [str(value)])]
+    if args.load_in_4bit:
+        argv += ["--load_in_4bit", "true"]
     if micro or args.micro_batch_size or not args.recipe:
         argv += ["--per_device_train_batch_size", str(micro or args.micro_batch_size or 1)]
     if args.seq_len:
@@ -93,10 +95,10 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
             'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
             "would train in fp32); add ds_configs/bf16.json for bf16"
         )
-    if getattr(cfg, "load_in_4bit", False):
+    if cfg.load_in_4bit:
         notes.append(
-            "load_in_4bit (QLoRA) is not modelled: the frozen base is counted at the run's 16-bit size, about 4x "
-            "what NF4 holds, so model states are overestimated"
+            "load_in_4bit (QLoRA): linear weights counted at NF4's 0.52 bytes each (4-bit codes and double-"
+            "quantised scales), the rest of the base in 16 bits; derived from bitsandbytes' layout, not measured"
         )
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
@@ -144,7 +146,7 @@ def one(args, gpu_memory):
         cfg.gradient_checkpointing,
         cfg.attn_implementation or "sdpa",
     )
-    e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg))
+    e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
     e.notes = notes
     return e, cfg, config
 
@@ -252,6 +254,7 @@ def main(argv: list[str]) -> int:
     lora.add_argument("--lora_dropout", type=float)
     lora.add_argument("--lora_target_modules", nargs="+", help="default all-linear (every linear but the head)")
     lora.add_argument("--modules_to_save", nargs="+", help="modules trained in full beside the adapters")
+    lora.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the frozen base's linear weights in NF4")
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
     ap.add_argument("--tokens", type=float, help="training tokens: adds total FLOPs, time, GPU-hours and energy")

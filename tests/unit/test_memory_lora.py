@@ -92,6 +92,26 @@ def test_8b_lora_on_one_gpu_states_are_2_bytes_frozen_16_bytes_trained():
     assert full.phases["forward_backward"]["model_states_bytes"] > 7 * got
 
 
+def test_qlora_8b_holds_its_linear_weights_in_nf4():
+    """--load_in_4bit: every Linear weight but the head in NF4 (4-bit codes, an 8-bit absmax per 64 weights and
+    an fp32 scale per 256 absmaxes), embeddings, norms and head in bf16, adapters at 16 bytes."""
+    config, lora = llama_8b(), lora_of()
+    trainable, total = peft_counts(config, lora)
+    h, i, layers, kv = 4096, 14336, 32, 8 * 128
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
+    nf4 = linear * (0.5 + 1 / 64 + 4 / (64 * 256))
+    want = nf4 + 2 * (total - trainable - linear) + 16 * trainable
+    e = estimate(config, ds(2), Launch(1, 1, 1, 2048, True), lora=lora, load_in_4bit=True)
+    got = e.phases["forward_backward"]["model_states_bytes"]  # at the step DeepSpeed adds an fp32 grad copy
+    assert abs(got / want - 1) < 0.005, (got, want)
+    # and about a third of the bf16 LoRA peak's states: what makes an 8B model fit a 12 GB card
+    bf16 = estimate(config, ds(2), Launch(1, 1, 1, 2048, True), lora=lora)
+    assert got < 0.4 * bf16.phases["forward_backward"]["model_states_bytes"]
+    # each layer's weight is dequantised into a bf16 temporary while it computes: the largest one, in buffers
+    fb = e.phases["forward_backward"]["buffers_bytes"] - bf16.phases["forward_backward"]["buffers_bytes"]
+    assert fb == 2 * h * i
+
+
 def test_frozen_base_is_partitioned_under_zero3_and_fp32_doubles_it():
     config, lora = llama_8b(), lora_of()
     trainable, total = peft_counts(config, lora)

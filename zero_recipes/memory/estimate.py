@@ -78,18 +78,29 @@ class ModelShape:
     trainable: int | None = None
     """LoRA: the parameters the optimizer steps (adapters, modules_to_save); None: all (full fine-tuning)."""
     largest_trainable: int = 0
+    quantized: int = 0
+    """QLoRA: parameters stored in NF4 (every Linear weight but the output head); 0 without --load_in_4bit."""
+    largest_quantized: int = 0
 
     @classmethod
-    def of(cls, config, lora=None) -> "ModelShape":
+    def of(cls, config, lora=None, load_in_4bit: bool = False) -> "ModelShape":
         """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
         LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
         so the adapters' count is peft's, for any architecture and target list."""
         import copy
 
+        import torch
+
         from ..lora import trainable_count
         from ..model import meta_model, num_params
 
         model = meta_model(config)
+        head = model.get_output_embeddings()
+        quantized = (
+            [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+            if load_in_4bit
+            else []
+        )
         if lora is None:
             return cls(num_params(model), max(p.numel() for p in model.parameters()))
         from peft import get_peft_model
@@ -101,6 +112,8 @@ class ModelShape:
             max(p.numel() for p in model.parameters()),
             trainable_count(model)[0],
             max((p.numel() for p in trainable), default=0),
+            sum(quantized),
+            max(quantized, default=0),
         )
 
 
@@ -153,6 +166,7 @@ def estimate(
     activations: Activations | None = None,
     gpu_memory: int | None = None,
     lora=None,
+    load_in_4bit: bool = False,
 ) -> Estimate:
     """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it; `lora` a peft
     LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None.
@@ -162,7 +176,7 @@ def estimate(
 
     from ..ds_config import offloads, zero_stage
 
-    shape = shape or ModelShape.of(model_config, lora)
+    shape = shape or ModelShape.of(model_config, lora, load_in_4bit)
     precision = ds_precision(ds)
     p = 4 if precision == "fp32" else 2
     stage = zero_stage(ds)
@@ -186,6 +200,8 @@ def estimate(
         accelerator=launch.accelerator,
         trainable=shape.trainable,
         largest_trainable=shape.largest_trainable,
+        quantized=shape.quantized,
+        largest_quantized=shape.largest_quantized,
         load_bytes=2
         if precision == "bf16"
         else 4,  # train.py's build_model: a pretrained base loads in bf16 under bf16
@@ -327,6 +343,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 "gpu" if torch.cuda.is_available() else "cpu",
             ),
             lora=lora_config(cfg) if enabled(cfg) else None,
+            load_in_4bit=cfg.load_in_4bit,
         )
     except Exception as err:  # noqa: BLE001
         return None, f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"

@@ -47,6 +47,10 @@ class Setup:
     # Bytes per parameter the frozen base is loaded in: train.py loads a pretrained base in bf16 under bf16,
     # in fp32 otherwise (fp16 casts after the load).
     load_bytes: int = 4
+    # QLoRA (--load_in_4bit): the frozen parameters bitsandbytes stores in NF4 (every Linear weight but the
+    # output head, transformers' default skip list) and the largest of them
+    quantized: int = 0
+    largest_quantized: int = 0
 
 
 @dataclass
@@ -285,6 +289,12 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
 # in bf16 as hub checkpoints are: what a load holds beyond the parameters it fills, at most.
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
 
+# Bytes per NF4-stored parameter with double quantisation (what train.py's --load_in_4bit asks for):
+# bitsandbytes packs two 4-bit codes per byte, keeps one absmax per 64-element block quantised to 8 bits, and
+# one fp32 scale per 256 of those blocks (bitsandbytes functional.py `quantize_4bit`, blocksize 64,
+# `compress_statistics`).
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
 
 def lora_phases(s: Setup) -> dict[str, PhaseBytes]:
     """LoRA: the trainable parameters under full fine-tuning's accounting, plus the frozen base. DeepSpeed sizes
@@ -328,9 +338,15 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
     ckpt = min(ckpt, CHECKPOINT_SHARD_BYTES)
     if s.stage < 3:
         # engine.py `_configure_distributed_model` casts the module (frozen weights too) to p bytes on the host
-        # before it moves it; the load itself is in load_bytes
-        init_states = s.load_bytes * F if cpu else p * F
-        out = dict.fromkeys(("steady", "forward", "forward_backward", "optimizer_step"), PhaseBytes(p * F, 0, 0))
+        # before it moves it; the load itself is in load_bytes. NF4 weights are quantised as they load onto the
+        # device and stay packed (ZeRO-3 with 4 bits is refused); each quantised layer's forward and backward
+        # dequantise its weight into a p-byte temporary (bitsandbytes `matmul_4bit`), one layer at a time.
+        Q = s.quantized
+        weights = p * (F - Q) + NF4_BYTES * Q
+        init_states = s.load_bytes * (F - Q) + NF4_BYTES * Q if cpu else weights
+        out = dict.fromkeys(("steady", "optimizer_step"), PhaseBytes(int(weights), 0, 0))
+        dequant = PhaseBytes(int(weights), p * s.largest_quantized, 0)
+        out["forward"] = out["forward_backward"] = dequant
         out["init"] = PhaseBytes(int(init_states), int(ckpt) if cpu else 0, 0, 0 if cpu else int(ckpt))
         return out
     off_par = s.offload_param is not None
