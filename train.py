@@ -30,7 +30,18 @@ import warnings
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import checkpoint, data, distributed, ds_checks, loop, lora, memory, metrics, model as modeling
+from zero_recipes import (
+    checkpoint,
+    data,
+    distributed,
+    ds_checks,
+    loop,
+    lora,
+    memory,
+    metrics,
+    model as modeling,
+    resume as resuming,
+)
 from zero_recipes.config import ConfigError, help_text
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
@@ -64,7 +75,7 @@ def main(argv: list[str]) -> int:
     resume_request = checkpoint.check_output_dir(
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
-    checkpoint.check_resume_layout(resume_request, plan)
+    resuming.check_resume_layout(resume_request, plan)
 
     threads = distributed.set_threads(local_world)
     distributed.init()
@@ -88,12 +99,12 @@ def main(argv: list[str]) -> int:
     model = build_model(plan, rank, log)
 
     # ---- resume --------------------------------------------------------------------------------------
-    resume = checkpoint.plan_resume(resume_request, plan, rank, log)
+    resume = resuming.plan_resume(resume_request, plan, rank, log)
     engine = make_engine(cfg, model, resume.engine_config(plan.ds) if resume else plan.ds, plan.total_steps)
     if cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
         engine.compile()
         log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
-    step = checkpoint.restore(engine, resume, order, plan, rank, log) if resume else 0
+    step = resuming.restore(engine, resume, order, plan, rank, log) if resume else 0
 
     # ---- fit -----------------------------------------------------------------------------------------
     log_file = metrics.MetricsLog(

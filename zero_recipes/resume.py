@@ -1,0 +1,183 @@
+"""Resuming a run: where it loads from (its own layout, or DeepSpeed's universal conversion for another world
+size or ZeRO stage), what cannot be converted (refused before any process group starts), and restoring the
+engine, every rank's RNG and the data order's position."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume, set_rng_state
+from .config import ConfigError
+
+
+def layout_change(where: tuple[Path, str], world: int, stage: int) -> Optional[dict]:
+    """The saved (world, stage) when they differ from this run's; None when they match. A change
+    DeepSpeed's universal checkpoint cannot make is refused with one line."""
+    f = where[0] / where[1] / LAYOUT
+    if not f.is_file():
+        return None  # saved before layouts were recorded: load as is
+    saved = json.loads(f.read_text())
+    if saved["world"] == world and saved["zero_stage"] == stage:
+        return None
+    a, b = saved["zero_stage"], stage
+    if a == 0 or b == 0 or (a == 3) != (b == 3):
+        raise ConfigError(
+            f"cannot resume a ZeRO-{a} checkpoint as ZeRO-{b}: DeepSpeed's universal checkpoint changes "
+            "the world size for ZeRO-1/2/3 and converts between ZeRO-1 and 2, nothing else. Resume "
+            f"with ZeRO-{a}, or export it (tools/export_hf.py) and start from the export with "
+            "--model_name_or_path"
+        )
+    return saved
+
+
+def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
+    """Convert a checkpoint once with DeepSpeed's own ds_to_universal (rank 0; the others wait)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    load_dir, tag = where
+    out = load_dir / (tag + UNIVERSAL_SUFFIX)
+    error = [None]
+    if rank == 0 and not (out / "zero").is_dir():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(load_dir / tag),
+                "--output_folder",
+                str(tmp),
+                "--inject_missing_state",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = (
+                f"converting {load_dir / tag} to a universal checkpoint failed: "
+                + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            )
+        else:
+            tmp.replace(out)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ConfigError(error[0])
+    return load_dir, out.name
+
+
+def data_position(
+    saved_at: tuple[Path, str], rank_state: dict, layout_changed: bool, micro: int, world: int
+) -> Optional[dict]:
+    """Where this rank's data order continues. On the same layout, its own saved position; on another world
+    size, rank 0's position recounted: the same rows consumed, in this run's micro-batches x ranks (rounded
+    down). saved_at is the original checkpoint, not its universal conversion (which has no rank files)."""
+    if not layout_changed:
+        return rank_state.get("data")
+    import torch
+
+    saved = torch.load(saved_at[0] / saved_at[1] / "rng_state_0.pt", weights_only=False)["data"]
+    rows = saved["index"] * saved["micro"] * saved["world"]
+    return {"epoch": saved["epoch"], "index": rows // (micro * world), "world": world, "micro": micro}
+
+
+def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
+    """Returns (the client state rank 0 saved, this rank's own state)."""
+    import torch
+
+    load_dir, tag = where
+    path, client_state = engine.load_checkpoint(
+        str(load_dir),
+        tag=tag,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_strict=not has_frozen(engine),  # frozen weights were left out; they are the base's
+    )
+    if path is None:
+        raise ConfigError(f"could not load checkpoint {load_dir / tag}")
+    rng_file = load_dir / tag / f"rng_state_{rank}.pt"
+    own = {}
+    if rng_file.is_file():
+        own = torch.load(rng_file, weights_only=False)
+        set_rng_state(own)
+    return client_state or {}, own
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where a resumed run loads from. On another world size or ZeRO stage it loads DeepSpeed's universal
+    conversion of the checkpoint, while its data position still comes from the checkpoint as saved."""
+
+    saved_at: tuple[Path, str]
+    """The checkpoint as saved: (directory holding the tags, tag)."""
+    load_from: tuple[Path, str]
+    """What the engine loads: `saved_at`, or its universal conversion."""
+    saved_layout: Optional[dict] = None
+    """The saved world size and stage when they differ from this run's, else None."""
+
+    def engine_config(self, ds: dict) -> dict:
+        """The DeepSpeed dict to build the engine with: a universal checkpoint needs `load_universal`."""
+        if self.saved_layout is None:
+            return ds
+        return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
+
+
+def check_resume_layout(request: Optional[str], plan) -> None:
+    """Refuse, before any process group starts, a resume onto another world size or ZeRO stage that cannot
+    be converted (layout_change refuses the stage changes DeepSpeed cannot make)."""
+    where = resolve_resume(plan.output_dir, request)
+    saved = layout_change(where, plan.world, plan.zero_stage) if where else None
+    if saved is None:
+        return
+    if plan.cfg.lora_r > 0:
+        raise ConfigError(
+            f"this LoRA run was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}; its checkpoint "
+            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
+            f"Resume with {saved['world']} rank(s) and ZeRO-{saved['zero_stage']}"
+        )
+    if plan.cfg.streaming:
+        raise ConfigError(
+            f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+            "position cannot move to another world size. Resume with the same number of ranks"
+        )
+
+
+def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[ResumePlan]:
+    """The checkpoint this launch resumes from, converted for a new layout when needed; None to start
+    from scratch. `request` is what check_output_dir decided ('auto', a path or None). Collective when a
+    conversion runs (rank 0 converts, the others wait)."""
+    where = resolve_resume(plan.output_dir, request)
+    if where is None:
+        if request is not None:
+            log(f"resume: no checkpoint in {plan.output_dir}, starting from scratch")
+        return None
+    saved = layout_change(where, plan.world, plan.zero_stage)
+    if saved is None:
+        return ResumePlan(where, where)
+    log(
+        f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
+        f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint"
+    )
+    return ResumePlan(where, to_universal(where, rank), saved)
+
+
+def restore(engine, resume: ResumePlan, order, plan, rank: int, log) -> int:
+    """Load the engine's states, this rank's RNG and the data order's position. Returns the step."""
+    state, rank_state = load(engine, resume.load_from, rank)
+    step = int(state.get("step", engine.global_steps))
+    position = data_position(
+        resume.saved_at, rank_state, resume.saved_layout is not None, plan.cfg.per_device_train_batch_size, plan.world
+    )
+    if position is not None:
+        order.load_state_dict(position)
+    log(f"resume: loaded {resume.load_from[0] / resume.load_from[1]} at step {step}")
+    return step
