@@ -231,8 +231,9 @@ def peft_model_from(hf_dir: Path, trainable: dict, dtype):
     config = LoraConfig.from_pretrained(str(hf_dir))
     base = AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, dtype=dtype)
     model = get_peft_model(base, config)
-    missing = [k for k, _ in model.named_parameters() if _.requires_grad and k not in trainable]
-    unexpected = [k for k in trainable if k not in dict(model.named_parameters())]
+    params = dict(model.named_parameters())
+    missing = [k for k, p in params.items() if p.requires_grad and k not in trainable]
+    unexpected = [k for k in trainable if k not in params]
     if missing or unexpected:
         raise ConfigError(
             f"the adapter in {hf_dir} does not match its base {config.base_model_name_or_path}: "
