@@ -8,16 +8,22 @@ import sys
 from helpers import REPO
 
 
-def test_data_benchmark_quick(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "tools/benchmark.py", "data", "--quick", "--out-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def benchmark(*args, timeout: int):
+    return subprocess.run(
+        [sys.executable, "tools/benchmark.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_quick(name: str, tmp_path, timeout: int):
+    """`tools/benchmark.py NAME --quick` into tmp_path; it must succeed and leave one dated JSON report."""
+    proc = benchmark(name, "--quick", "--out-dir", str(tmp_path), timeout=timeout)
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    [report] = list(tmp_path.glob("data-*.json"))
+    [report] = list(tmp_path.glob(f"{name}-*.json"))
+    return report
+
+
+def test_data_benchmark_quick(tmp_path):
+    report = run_quick("data", tmp_path, timeout=600)
     assert report.with_suffix(".md").exists()
     r = json.loads(report.read_text())
     prep, first, packing = r["prep"], r["time_to_first_step"], r["packing"]
@@ -31,15 +37,7 @@ def test_data_benchmark_quick(tmp_path):
 def test_train_speed_benchmark_quick(tmp_path):
     """train.py, the HF Trainer and the bare DeepSpeed loop all train the same tiny workload through the
     launcher, and the report's ratios are the ratios of its medians."""
-    proc = subprocess.run(
-        [sys.executable, "tools/benchmark.py", "train", "--quick", "--out-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    [report] = list(tmp_path.glob("train-*.json"))
+    report = run_quick("train", tmp_path, timeout=900)
     m = json.loads(report.read_text())["models"]["tiny"]
     t = m["tokens_per_sec"]
     assert set(t) == {"train.py", "HF Trainer", "bare DeepSpeed loop", "train.py --torch_compile"}
@@ -52,13 +50,7 @@ def test_train_speed_benchmark_quick(tmp_path):
 
 def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
     """The GPU script cannot run here; it must say so in one line, and its memory predictions must be sane."""
-    proc = subprocess.run(
-        [sys.executable, "tools/benchmark.py", "gpu", "--out-dir", "/nonexistent"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = benchmark("gpu", "--out-dir", "/nonexistent", timeout=120)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0]
     from zero_recipes.bench.gpu import CONFIGS, predicted
@@ -70,15 +62,7 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
 def test_lora_benchmark_quick(tmp_path):
     """Full fine-tuning and LoRA of the same base, each launched once under the allocator profiler: the report's
     ratios are the ratios of its figures, and the LoRA checkpoint holds the adapter's states, not the model's."""
-    proc = subprocess.run(
-        [sys.executable, "tools/benchmark.py", "lora", "--quick", "--out-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    [report] = list(tmp_path.glob("lora-*.json"))
+    report = run_quick("lora", tmp_path, timeout=600)
     assert "LoRA / full" in report.with_suffix(".md").read_text()
     r = json.loads(report.read_text())
     assert r["settings"]["lora_line"].startswith("lora: r 16, alpha 16 on all-linear; trains")

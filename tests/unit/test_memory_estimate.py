@@ -5,32 +5,19 @@ the CLI, are in tests/integration/test_estimate_memory.py."""
 import pytest
 import torch
 
-from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, small_llama
+from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, fwd_bwd_peak_bytes, small_llama
 from zero_recipes.memory import activation_bytes, parse_memory
 
 
 def measured_fwd_bwd(config, micro, seq, dtype, gc) -> int:
     """Peak live bytes of a real forward+backward (grads dropped as ZeRO does), from the allocator events."""
-    from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    ids = torch.randint(0, config.vocab_size, (micro, seq))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    live = peak = 0
-    for _, n in sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    ):
-        live += n
-        peak = max(peak, live)
-    return peak
+    return fwd_bwd_peak_bytes(model, config, micro, seq)
 
 
 @pytest.mark.parametrize(

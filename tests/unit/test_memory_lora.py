@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, small_llama
+from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, fwd_bwd_peak_bytes, small_llama
 from zero_recipes.config import TrainConfig
 from zero_recipes.lora import lora_config
 from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
@@ -139,25 +139,11 @@ def test_full_fine_tuning_estimate_is_unchanged_by_the_lora_path():
 def measured_lora_fwd_bwd(config, lora, micro, seq, dtype) -> int:
     """Peak live bytes of a real forward+backward of the peft-wrapped model (adapter grads dropped as ZeRO does)."""
     from peft import get_peft_model
-    from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype), lora, autocast_adapter_dtype=False)
-    model.train()
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    ids = torch.randint(0, config.vocab_size, (micro, seq))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    live = peak = 0
-    for _, n in sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    ):
-        live += n
-        peak = max(peak, live)
-    return peak
+    return fwd_bwd_peak_bytes(model, config, micro, seq)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -115,3 +115,19 @@ def footer(r: dict) -> list[str]:
         + ".",
         "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
     ]
+
+
+def allocator_events(events) -> tuple[list, list]:
+    """torch.profiler's events (profile_memory=True) as (marks, allocations), both in time order: marks are
+    (start_ns, end_ns, name) of the record_function("phase:NAME") ranges, allocations (time_ns, bytes) of the
+    CPU allocator, positive for an allocation and negative for a free, so their running sum is the live bytes.
+    memory_probe.py and profiled_train.py both read their runs this way."""
+    marks = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
+        for e in events
+        if e.name().startswith("phase:")
+    )
+    mem = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
+    return marks, mem

@@ -26,6 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
 from zero_recipes import distributed, lora, model as modeling
+from zero_recipes.bench.common import allocator_events
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
 
@@ -41,14 +42,7 @@ STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady st
 def timeline(prof) -> dict:
     """Peak live bytes per phase, and the live bytes after init and after the last step."""
     events = prof.profiler.kineto_results.events()
-    marks = sorted(
-        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
-        for e in events
-        if e.name().startswith("phase:")
-    )
-    mem = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-    )
+    marks, mem = allocator_events(events)
     live, peak, after_init = 0, dict.fromkeys(PHASES, 0), None
     i = 0
     for t, nbytes in mem:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO
+from .common import REPO, allocator_events
 from .workload import pop_flag
 
 PHASES = ("train_step", "save")
@@ -27,14 +27,7 @@ PHASES = ("train_step", "save")
 
 def peaks(events) -> dict:
     """Peak live bytes over the whole run and within each marked phase, from the profiler's events."""
-    marks = sorted(
-        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
-        for e in events
-        if e.name().startswith("phase:")
-    )
-    mem = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-    )
+    marks, mem = allocator_events(events)
     live, overall, by_phase, i = 0, 0, dict.fromkeys(PHASES, 0), 0
     for t, nbytes in mem:
         live += nbytes
