@@ -62,8 +62,7 @@ def main(argv: list[str]) -> int:
     rank, _, world, local_world = distributed.rank_info()
     log = print if rank == 0 else (lambda *a, **k: None)
     if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
-        lora.check_targets(cfg, plan.model_config)
-        lora.check_quantization(cfg, plan.model_config, plan.zero_stage)
+        lora.check(cfg, plan.model_config, plan.zero_stage)
     if cfg.dry_run:
         return dry_run(plan, log)
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits

@@ -83,7 +83,9 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     if cfg.lora_r > 0:
         from zero_recipes import lora
 
-        lora.check_targets(cfg, config)  # a target the model lacks: the same one-line error as train.py's
+        lora.check_targets(
+            cfg, modeling.meta_model(config), config.model_type
+        )  # a target the model lacks: the same one-line error as train.py's
     raw = ds_config.load_fragments(cfg.deepspeed)
     notes = []
     if (

@@ -126,7 +126,9 @@ def export_lora(base: Path, tag: str, stage: int, out: Path, dtype, merge: bool,
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = get_fp32_state_dict_from_zero_checkpoint(str(base), tag=tag, exclude_frozen_parameters=True)
-    model = peft_model_from(ckpt / HF_FILES, module, dtype)
+    from peft import LoraConfig
+
+    model = peft_model_from(LoraConfig.from_pretrained(str(ckpt / HF_FILES)), module, dtype)
     if merge:
         model.merge_and_unload().save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
     else:

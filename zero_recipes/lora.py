@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
 
 from .config import ConfigError, TrainConfig
+from .model import gathered_parameters
 
 ALL_LINEAR = "all-linear"
 QLORA_CPU_BLOCK = 64
@@ -86,14 +85,21 @@ def validate_options(cfg: TrainConfig) -> None:
         )
 
 
-def check_targets(cfg: TrainConfig, model_config) -> None:
-    """Every named target and module to save exists in the model (peft's matching: the whole name or its
-    last dotted parts). Checked on the meta model, before any process group starts."""
-    import torch
-
+def check(cfg: TrainConfig, model_config, zero_stage: int) -> None:
+    """A LoRA run's options against the model, on one meta model, before any process group starts."""
     from .model import meta_model
 
-    modules = dict(meta_model(model_config).named_modules())
+    model = meta_model(model_config)
+    check_targets(cfg, model, model_config.model_type)
+    check_quantization(cfg, model, zero_stage)
+
+
+def check_targets(cfg: TrainConfig, model, model_type: str) -> None:
+    """Every named target and module to save exists in the (meta) model (peft's matching: the whole name or
+    its last dotted parts)."""
+    import torch
+
+    modules = dict(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
     for option in ("lora_target_modules", "modules_to_save"):
         for target in getattr(cfg, option):
@@ -101,13 +107,22 @@ def check_targets(cfg: TrainConfig, model_config) -> None:
                 continue
             if not any(name == target or name.endswith("." + target) for name in modules):
                 raise ConfigError(
-                    f"--{option}: the model ({model_config.model_type}) has no module '{target}'; its linear "
+                    f"--{option}: the model ({model_type}) has no module '{target}'; its linear "
                     f"layers are {', '.join(linear)} (or use {ALL_LINEAR})"
                 )
 
 
-def check_quantization(cfg: TrainConfig, model_config, zero_stage: int) -> None:
-    """QLoRA where it can run, refused in one line where it cannot; before any process group starts."""
+def quantized_linears(model) -> list:
+    """(name, Linear) of the layers --load_in_4bit stores in NF4: every Linear but the output head
+    (transformers' bitsandbytes integration keeps the head in 16 bits)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def check_quantization(cfg: TrainConfig, model, zero_stage: int) -> None:
+    """QLoRA where it can run, refused in one line where it cannot."""
     if not cfg.load_in_4bit:
         return
     if zero_stage == 3:
@@ -124,15 +139,11 @@ def check_quantization(cfg: TrainConfig, model_config, zero_stage: int) -> None:
 
     if torch.cuda.is_available():
         return
-    from .model import meta_model
-
-    model = meta_model(model_config)
-    head = model.get_output_embeddings()
     narrow = sorted(
         {
             f"{name.rsplit('.', 1)[-1]} ({m.in_features})"
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head and m.in_features % QLORA_CPU_BLOCK
+            for name, m in quantized_linears(model)
+            if m.in_features % QLORA_CPU_BLOCK
         }
     )
     if narrow:
@@ -186,49 +197,26 @@ def trainable_count(model) -> tuple[int, int]:
     return sum(n for n, t in size if t), sum(n for n, _ in size)
 
 
-def adapter_state_dict(module, zero3: bool, rank: int) -> Optional[dict]:
-    """The trainable tensors, full-size, on rank 0's CPU (None elsewhere). Under ZeRO-3 each is gathered in
-    turn: without this, `save_pretrained` writes ZeRO-3's empty placeholders. Collective under ZeRO-3."""
-    import torch
-
-    sd = {} if rank == 0 else None
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        ctx = nullcontext()
-        if zero3:
-            import deepspeed
-
-            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=None)
-        with ctx:
-            if rank == 0:
-                sd[name] = param.detach().cpu().clone()
-    if zero3:
-        torch.distributed.barrier()
-    return sd
-
-
 def export_adapter(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
     """output_dir becomes a PEFT adapter directory: adapter_config.json, adapter_model.safetensors, the
     tokenizer. `PeftModel.from_pretrained(base, out_dir)` loads it."""
     import torch
 
-    sd = adapter_state_dict(engine.module, zero3, rank)
+    sd = gathered_parameters(engine.module, zero3, rank, trainable_only=True)
     if rank == 0:
         engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     torch.distributed.barrier()
 
 
-def peft_model_from(hf_dir: Path, trainable: dict, dtype):
-    """A PeftModel on the pretrained base `hf_dir/adapter_config.json` names, holding `trainable` (the
-    adapter as the engine names it). For merging, and for tools/export_hf.py's LoRA checkpoints."""
-    from peft import LoraConfig, get_peft_model
+def peft_model_from(config, trainable: dict, dtype):
+    """A PeftModel on the pretrained base the LoraConfig `config` names, holding `trainable` (the adapter as the
+    engine names it). For merging, and for tools/export_hf.py's LoRA checkpoints."""
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain load on one process, not one inside zero.Init
-    config = LoraConfig.from_pretrained(str(hf_dir))
     base = AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, dtype=dtype)
     model = get_peft_model(base, config)
     params = dict(model.named_parameters())
@@ -236,7 +224,7 @@ def peft_model_from(hf_dir: Path, trainable: dict, dtype):
     unexpected = [k for k in trainable if k not in params]
     if missing or unexpected:
         raise ConfigError(
-            f"the adapter in {hf_dir} does not match its base {config.base_model_name_or_path}: "
+            f"the adapter does not match its base {config.base_model_name_or_path}: "
             f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.load_state_dict(trainable, strict=False)
@@ -248,11 +236,9 @@ def export_merged(engine, tokenizer, out_dir: Path, zero3: bool, rank: int, dtyp
     Only the adapter is gathered; rank 0 loads the base from where the adapter config says it is."""
     import torch
 
-    sd = adapter_state_dict(engine.module, zero3, rank)
+    sd = gathered_parameters(engine.module, zero3, rank, trainable_only=True)
     if rank == 0:
-        engine.module.peft_config["default"].save_pretrained(str(out_dir))  # adapter_config.json, for the base
-        merged = peft_model_from(out_dir, sd, dtype).merge_and_unload()
-        (out_dir / "adapter_config.json").unlink()
+        merged = peft_model_from(engine.module.peft_config["default"], sd, dtype).merge_and_unload()
         merged.config.use_cache = True
         merged.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)

@@ -212,20 +212,13 @@ def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
     """The trained weights as a CPU state dict on rank 0 (None elsewhere). Under ZeRO-3 each parameter is
     gathered in turn, so no rank ever holds more than one full tensor on the device; ZeRO-3 saves with
     empty placeholder weights (LLaMA-Factory #253) come from skipping this."""
-    import torch
 
     module = engine.module
     if not zero3:
         if rank != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    import deepspeed
-
-    sd = {} if rank == 0 else None
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if rank == 0:
-                sd[name] = param.detach().cpu().clone()
+    sd = gathered_parameters(module, zero3, rank)
     if rank == 0:
         for name, buf in module.named_buffers():
             if buf is not None:
@@ -233,7 +226,29 @@ def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
         # drop non-persistent buffers (e.g. rotary inv_freq) that state_dict() would not contain
         persistent = set(module.state_dict().keys())
         sd = {k: v for k, v in sd.items() if k in persistent}
-    torch.distributed.barrier()
+    return sd
+
+
+def gathered_parameters(module, zero3: bool, rank: int, trainable_only: bool = False) -> Optional[dict]:
+    """The parameters (or only the trainable ones: a LoRA adapter), full-size, on rank 0's CPU; None elsewhere.
+    Under ZeRO-3 each is gathered in turn, so no rank holds more than one full tensor; without the gather a
+    ZeRO-3 save writes the partitions' empty placeholders. Collective under ZeRO-3."""
+    import torch
+
+    sd = {} if rank == 0 else None
+    for name, param in module.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
+        ctx = nullcontext()
+        if zero3:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+        with ctx:
+            if rank == 0:
+                sd[name] = param.detach().cpu().clone()
+    if zero3:
+        torch.distributed.barrier()
     return sd
 
 

@@ -89,18 +89,11 @@ class ModelShape:
         so the adapters' count is peft's, for any architecture and target list."""
         import copy
 
-        import torch
-
-        from ..lora import trainable_count
+        from ..lora import quantized_linears, trainable_count
         from ..model import meta_model, num_params
 
         model = meta_model(config)
-        head = model.get_output_embeddings()
-        quantized = (
-            [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-            if load_in_4bit
-            else []
-        )
+        quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
         if lora is None:
             return cls(num_params(model), max(p.numel() for p in model.parameters()))
         from peft import get_peft_model
