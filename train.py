@@ -40,6 +40,7 @@ from zero_recipes import (
     memory,
     metrics,
     model as modeling,
+    parallel,
     resume as resuming,
 )
 from zero_recipes.config import ConfigError, help_text
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         return 0
     plan = RunPlan.from_args(argv)
     cfg = plan.cfg
-    rank, _, world, local_world = distributed.rank_info()
+    rank, _, _, local_world = distributed.rank_info()
     log = print if rank == 0 else (lambda *a, **k: None)
     if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
         lora.check(cfg, plan.model_config, plan.zero_stage)
@@ -82,16 +83,19 @@ def main(argv: list[str]) -> int:
     stop = distributed.StopRequest()
     for note in plan.notes:
         log(f"config: {note}")
-    log(f"distributed: {world} rank(s), backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
+    mesh = plan.mesh
+    log(f"distributed: {mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
 
-    # rank 0 builds the tokenizer and data caches while the others wait, then everyone reads them
+    # rank 0 builds the tokenizer and data caches while the others wait, then everyone reads them. The rows
+    # are sharded by data-parallel rank: the ranks of a tensor-parallel group train on the same batch.
     tokenizer = distributed.rank0_first(rank, lambda: data.load_tokenizer(cfg))
+    dp_rank, dp = mesh.dp_rank(rank), mesh.dp
     if cfg.streaming:
-        prepared = data.prepare_stream(cfg, tokenizer, rank, world, log)
+        prepared = data.prepare_stream(cfg, tokenizer, dp_rank, dp, log)
         order = prepared.train
     else:
         prepared = distributed.rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
-        order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, rank, world, cfg.seed, prepared.pad_id)
+        order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
     plan = plan.complete(plan.steps_to_train(order.per_rank), tokenizer)  # zero.Init reads the filled config
     checkpoint.start_run(plan, rank)
     warn_if_too_big(plan, rank, log)
@@ -99,7 +103,8 @@ def main(argv: list[str]) -> int:
 
     # ---- resume --------------------------------------------------------------------------------------
     resume = resuming.plan_resume(resume_request, plan, rank, log)
-    engine = make_engine(cfg, model, resume.engine_config(plan.ds) if resume else plan.ds, plan.total_steps)
+    ds = resume.engine_config(plan.ds) if resume else plan.ds
+    engine = make_engine(cfg, model, ds, plan.total_steps, mesh.deepspeed_mpu())
     if cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
         engine.compile()
         log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
@@ -117,7 +122,8 @@ def main(argv: list[str]) -> int:
     checkpointer = checkpoint.Checkpointer(
         plan.output_dir, rank, cfg.save_total_limit, hf_files_writer(engine, tokenizer)
     )
-    outcome = loop.fit(loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log), step)
+    run = loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log, mesh.dp_group())
+    outcome = loop.fit(run, step)
     if not outcome.finished:
         log_file.close()
         return outcome.exit_code
@@ -165,7 +171,7 @@ def build_model(plan: RunPlan, rank: int, log):
     from transformers.integrations import HfDeepSpeedConfig
 
     cfg, model_config = plan.cfg, plan.model_config
-    hf_ds = HfDeepSpeedConfig(plan.ds)  # noqa: F841 -- must stay alive while the model is built
+    hf_ds = HfDeepSpeedConfig(parallel.zero_init_config(plan.ds, plan.mesh))  # noqa: F841 -- alive while building
     modeling.causal_lm_class(model_config)
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
     model = modeling.build_model(cfg, model_config, load_dtype, rank)
@@ -236,11 +242,13 @@ def dry_run(plan: RunPlan, log) -> int:
         else f"{cfg.num_train_epochs} epoch(s); count known once the data is prepared"
     )
     log(
-        f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; world {plan.world}; ZeRO stage "
+        f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; {plan.mesh.describe()}; ZeRO stage "
         f"{plan.zero_stage}; {plan.precision}; "
         f"{plan.global_batch} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )
+    if plan.mesh.tp > 1:
+        log(f"mesh (rank -> data-parallel, tensor-parallel coordinates):\n{parallel.picture(plan.mesh)}")
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0
 

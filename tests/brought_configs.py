@@ -70,6 +70,15 @@ TRAINS = {
         "steps_per_print": 2000,
         "wall_clock_breakdown": False,
     },
+    # LLaMA-Factory ds_z2_autotp_config.json: ZeRO-2 with AutoTP across 2 ranks
+    "llamafactory-autotp": {
+        "_comment": "supported model list: ...",
+        **BATCH_AUTO,
+        "fp16": FP16_AUTO,
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2, "round_robin_gradients": True, "reduce_bucket_size": 5e8},
+        "tensor_parallel": {"autotp_size": 2},
+    },
     # HF docs, "ZeRO-3 config": everything offloaded, stage3_* spellings
     "hf-docs-zero3-offload": {
         "fp16": FP16_AUTO,
@@ -179,18 +188,6 @@ REFUSED = {
             "zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8},
         },
         "ZeRO++ (zero_quantized_gradients, zero_hpz_partition_size) works only with ZeRO-3",
-    ),
-    # LLaMA-Factory ds_z2_autotp_config.json: AutoTP needs a data layout train.py does not have yet
-    "llamafactory-autotp": (
-        {
-            "_comment": "supported model list: ...",
-            **BATCH_AUTO,
-            "fp16": FP16_AUTO,
-            "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 2, "round_robin_gradients": True, "reduce_bucket_size": 5e8},
-            "tensor_parallel": {"autotp_size": 2},
-        },
-        "tensor_parallel.autotp_size = 2: tensor parallelism is not supported by train.py yet",
     ),
     # LLaMA-Factory ds_z3_alst_config.json: its own "sequence_parallel" block
     "llamafactory-alst": (

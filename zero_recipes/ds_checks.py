@@ -54,13 +54,6 @@ def refuse_ignored(ds: dict) -> list[str]:
 
 
 def _refuse_unsupported_parallelism(ds: dict) -> None:
-    tp = (ds.get("tensor_parallel") or {}).get("autotp_size", 0) or 0
-    if int(tp) > 1:
-        raise ConfigError(
-            f"tensor_parallel.autotp_size = {tp}: tensor parallelism is not supported by train.py yet (its batches "
-            "are sharded by rank, and AutoTP needs every rank of a group to see the same batch); remove "
-            '"tensor_parallel" or set autotp_size to 1'
-        )
     sp = ds.get("sequence_parallel_size", 1) or 1
     if int(sp) > 1:
         raise ConfigError(

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import ds_checks, ds_schema
+from . import ds_checks, ds_schema, parallel
 from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
 
 AUTO = "auto"
@@ -127,7 +127,9 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     r = Resolver(cfg, explicit)
     r.notes += renamed
     _resolve_precision(ds, r)
-    _resolve_batch(ds, r, world_size)
+    mesh = parallel.Mesh(world_size, parallel.tensor_parallel_size(ds))
+    parallel.check_mesh(mesh)
+    _resolve_batch(ds, r, mesh.dp)
     r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
     _resolve_optimizer(ds, r)
     sched = ds.get("scheduler")
@@ -186,8 +188,9 @@ def _resolve_precision(ds: dict, r: Resolver) -> None:
         raise ConfigError("bf16 and fp16 are both enabled; use one precision fragment (bf16.json or fp16.json)")
 
 
-def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
-    """As HF: train_batch_size = micro x accumulation x world."""
+def _resolve_batch(ds: dict, r: Resolver, dp: int) -> None:
+    """As HF: train_batch_size = micro x accumulation x data-parallel size (the world without tensor
+    parallelism; with it, the ranks of a TP group share one micro-batch, so they count once)."""
     r.match(
         ds,
         "train_micro_batch_size_per_gpu",
@@ -209,11 +212,11 @@ def _resolve_batch(ds: dict, r: Resolver, world_size: int) -> None:
         gas = ds["gradient_accumulation_steps"]
     tbs = ds.get("train_batch_size", AUTO)
     if tbs == AUTO:
-        ds["train_batch_size"] = micro * gas * world_size
-    elif tbs != micro * gas * world_size:
+        ds["train_batch_size"] = micro * gas * dp
+    elif tbs != micro * gas * dp:
         raise ConfigError(
             f"batch sizes do not add up: train_batch_size={tbs} but micro {micro} x accumulation "
-            f'{gas} x world {world_size} = {micro * gas * world_size}; set train_batch_size to "auto"'
+            f'{gas} x data-parallel {dp} = {micro * gas * dp}; set train_batch_size to "auto"'
         )
 
 

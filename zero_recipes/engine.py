@@ -52,7 +52,8 @@ def make_scheduler(cfg: TrainConfig, ds: dict, total_steps: int):
     return build
 
 
-def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int):
+def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
+    """`mpu`: parallel.Mesh.deepspeed_mpu() under tensor parallelism, else None."""
     import deepspeed
 
     optimizer = make_optimizer(cfg, model, ds)
@@ -62,5 +63,6 @@ def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int):
         model_parameters=None if optimizer is not None else param_groups(model, cfg.weight_decay),
         lr_scheduler=make_scheduler(cfg, ds, total_steps),
         config=ds,
+        mpu=mpu,
     )
     return engine

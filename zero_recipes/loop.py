@@ -35,6 +35,9 @@ class Loop:
     stop: StopRequest
     rank: int
     log: Callable[..., None]
+    dp_group: object = None
+    """The data-parallel peers' process group (None: the world), over which batches are counted once:
+    with tensor parallelism the ranks of a TP group train on the same rows (parallel.Mesh.dp_group)."""
 
 
 @dataclass(frozen=True)
@@ -75,19 +78,21 @@ def train_step(
     step: int,
     count_label_tokens: bool,
     measure_grad_norm: bool,
+    dp_group=None,
 ):
     """One optimizer step over its micro-batches. Returns the grad norm when asked to measure it (ZeRO-0 in
     fp32 runs without the DeepSpeed optimizer wrapper that records it), else None."""
-    world, accumulation = torch.distributed.get_world_size(), len(micro_batches)
+    dp, accumulation = torch.distributed.get_world_size(dp_group), len(micro_batches)
     # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
     extra = {"use_cache": False}
     if count_label_tokens:
         # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its
         # micro-batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
+        # Counted over the data-parallel replicas: a tensor-parallel group shares its rows.
         n_items = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).float()
-        torch.distributed.all_reduce(n_items)
-        # DeepSpeed divides by the accumulation steps and averages over ranks; undo both here
-        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * world)
+        torch.distributed.all_reduce(n_items, group=dp_group)
+        # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; undo both here
+        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * dp)
     grad_norm = None
     for micro, batch in enumerate(micro_batches):
         loss = engine(**batch, **extra).loss
@@ -121,7 +126,14 @@ def fit(loop: Loop, step: int) -> Outcome:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
         micro_batches, data_wait = next_micro_batches(loop)
         norm = train_step(
-            engine, micro_batches, window, guard, step + 1, loop.prepared.sft, measure_grad_norm and logging_step
+            engine,
+            micro_batches,
+            window,
+            guard,
+            step + 1,
+            loop.prepared.sft,
+            measure_grad_norm and logging_step,
+            loop.dp_group,
         )
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
@@ -200,7 +212,7 @@ def open_window(loop: Loop) -> metrics.LogWindow:
     )
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     return metrics.LogWindow(
-        loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps, flops_per_token, peak
+        loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps, flops_per_token, peak, plan.mesh.tp
     )
 
 
@@ -228,23 +240,25 @@ def log_record(
 
 
 def run_eval(loop: Loop, step: int) -> None:
-    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, loop.rank, loop.plan.world)
+    mesh = loop.plan.mesh
+    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, mesh.dp_rank(loop.rank), mesh.dp, loop.dp_group)
     if ev:
         loop.log_file.write({"step": step, **ev})
         loop.log(f"eval: step {step} {format_eval(ev)}")
 
 
-def evaluate(engine, prepared, cfg, rank: int, world: int) -> dict:
+def evaluate(engine, prepared, cfg, dp_rank: int, dp: int, dp_group=None) -> dict:
     """Token-weighted eval loss over the label tokens, and for SFT the exact-match accuracy: the share
     of eval examples whose every answer token is the model's argmax. Teacher-forced argmax on every
     answer token is exactly what greedy decoding would produce, so this is greedy exact match at the
-    cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs)."""
+    cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs). The rows are sharded
+    by data-parallel rank and summed over the data-parallel group, so a tensor-parallel group counts once."""
     engine.eval()
     device = engine.device
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
     with torch.no_grad():
         for batch, weight in data.eval_batches(
-            prepared.eval, cfg.per_device_eval_batch_size, rank, world, cfg.max_eval_batches, prepared.pad_id
+            prepared.eval, cfg.per_device_eval_batch_size, dp_rank, dp, cfg.max_eval_batches, prepared.pad_id
         ):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
             target = batch.pop("labels")[:, 1:]
@@ -260,7 +274,7 @@ def evaluate(engine, prepared, cfg, rank: int, world: int) -> dict:
                 right = ((logits.argmax(-1) == target) | ~valid).all(dim=1) & has_answer
                 total[2] += (right * weight).sum()
                 total[3] += (has_answer * weight).sum()
-    torch.distributed.all_reduce(total)
+    torch.distributed.all_reduce(total, group=dp_group)
     if total[1].item() == 0:
         return {}
     loss = (total[0] / total[1]).item()

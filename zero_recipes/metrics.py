@@ -147,13 +147,20 @@ class LogWindow:
     throughput: time spent inside `paused()` is left out."""
 
     def __init__(
-        self, device, tokens_per_step_rank: int, losses_per_step: int, flops_per_token: float, peak_flops: float
+        self,
+        device,
+        tokens_per_step_rank: int,
+        losses_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        tensor_parallel: int = 1,
     ):
         import torch
 
         self.loss_sum = torch.zeros((), device=device)
         self.tokens_per_step_rank, self.losses_per_step = tokens_per_step_rank, losses_per_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.tp = tensor_parallel  # the ranks of a TP group train on the same tokens: count them once
         self._restart()
 
     def _restart(self) -> None:
@@ -179,11 +186,11 @@ class LogWindow:
         over every rank and micro-batch, and its throughput. Starts the next window."""
         import torch.distributed as dist
 
-        dist.all_reduce(self.loss_sum)
+        dist.all_reduce(self.loss_sum)  # a TP group's ranks hold the same loss: the mean over all is theirs
         world = dist.get_world_size()
         loss = self.loss_sum.item() / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
-        tps = self.tokens_per_step_rank * self.steps / elapsed
+        tps = self.tokens_per_step_rank * self.steps / elapsed / self.tp  # each device's share of its group's
         out = {
             "loss": loss,
             "tokens_per_sec": tps * world,

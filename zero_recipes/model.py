@@ -211,10 +211,11 @@ def partition_numel(model) -> int:
 def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
     """The trained weights as a CPU state dict on rank 0 (None elsewhere). Under ZeRO-3 each parameter is
     gathered in turn, so no rank ever holds more than one full tensor on the device; ZeRO-3 saves with
-    empty placeholder weights (LLaMA-Factory #253) come from skipping this."""
+    empty placeholder weights (LLaMA-Factory #253) come from skipping this. Under tensor parallelism each
+    layer's shards are gathered too: a shard is never written as if it were the whole weight."""
 
     module = engine.module
-    if not zero3:
+    if not zero3 and not tensor_parallel(module):
         if rank != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
@@ -229,25 +230,42 @@ def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
     return sd
 
 
+def tensor_parallel(module) -> bool:
+    """Whether AutoTP has split this model's layers (its parameters are then shards)."""
+    from deepspeed.module_inject.layers import DS_IS_REPLACED_MODULE
+
+    return any(getattr(p, DS_IS_REPLACED_MODULE, False) for p in module.parameters())
+
+
 def gathered_parameters(module, zero3: bool, rank: int, trainable_only: bool = False) -> Optional[dict]:
     """The parameters (or only the trainable ones: a LoRA adapter), full-size, on rank 0's CPU; None elsewhere.
-    Under ZeRO-3 each is gathered in turn, so no rank holds more than one full tensor; without the gather a
-    ZeRO-3 save writes the partitions' empty placeholders. Collective under ZeRO-3."""
+    One layer at a time: its ZeRO-3 partitions are gathered (without that a ZeRO-3 save writes the empty
+    placeholders), then its AutoTP shards (DeepSpeed's GatherReplacedLayerParams, which takes the layer's
+    [weight, bias] in order and re-splits them on exit), so no rank holds more than one full layer.
+    Collective under ZeRO-3 and tensor parallelism: every rank walks the same layers."""
     import torch
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
-    sd = {} if rank == 0 else None
-    for name, param in module.named_parameters():
-        if trainable_only and not param.requires_grad:
+    sd, seen = ({} if rank == 0 else None), set()
+    for prefix, owner in module.named_modules():
+        params = list(owner.parameters(recurse=False))
+        wanted = [p for p in params if p.requires_grad or not trainable_only]
+        if not wanted:
             continue
-        ctx = nullcontext()
+        zero_gather = nullcontext()
         if zero3:
             import deepspeed
 
-            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=None)
-        with ctx:
-            if rank == 0:
-                sd[name] = param.detach().cpu().clone()
-    if zero3:
+            zero_gather = deepspeed.zero.GatheredParameters(wanted, modifier_rank=None)
+        with zero_gather, GatherReplacedLayerParams(params, owner, enabled=True):
+            if rank != 0:
+                continue
+            for name, param in owner.named_parameters(recurse=False):
+                if id(param) in seen or (trainable_only and not param.requires_grad):
+                    continue  # a tied weight is stored once, under its first name (as named_parameters does)
+                seen.add(id(param))
+                sd[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
+    if zero3 or tensor_parallel(module):
         torch.distributed.barrier()
     return sd
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed, ds_config, model as modeling
+from . import distributed, ds_config, model as modeling, parallel
 from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig, parse_args, parse_inline_or_file, parse_model_config
 
 
@@ -33,8 +33,8 @@ class RunPlan:
     """What resolution decided on the user's behalf (adopted values), printed at launch."""
     model_config: Any
     """The HF model config; sized to the tokenizer's vocabulary by `complete`."""
-    world: int
-    """Ranks in the job."""
+    mesh: parallel.Mesh
+    """How the ranks split: data-parallel replicas x tensor-parallel groups."""
     signature: dict
     """What makes two launches the same run (see checkpoint.check_output_dir)."""
     total_steps: Optional[int] = None
@@ -49,7 +49,9 @@ class RunPlan:
         resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
         cfg = resolved.cfg
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
-        return cls(cfg, raw, resolved.ds, resolved.notes, model_config, world, run_signature(cfg, raw))
+        mesh = parallel.Mesh(world, parallel.tensor_parallel_size(resolved.ds))
+        notes = resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
+        return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
     def complete(self, total_steps: int, tokenizer=None) -> RunPlan:
         """The plan with the step count filled into the DeepSpeed dict and the model config sized to the
@@ -82,6 +84,11 @@ class RunPlan:
 
     # ---- read-only views -------------------------------------------------------------------------
     @property
+    def world(self) -> int:
+        """Ranks in the job."""
+        return self.mesh.world
+
+    @property
     def output_dir(self) -> Path:
         return Path(self.cfg.output_dir)
 
@@ -95,7 +102,7 @@ class RunPlan:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step, all ranks together."""
+        """Sequences per optimizer step, all data-parallel replicas together (a TP group shares its rows)."""
         return self.ds["train_batch_size"]
 
 

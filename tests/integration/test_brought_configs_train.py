@@ -16,6 +16,7 @@ EXPECT = {
     "axolotl-zero3-offload-all": ("ZeRO stage 3", "renamed zero_optimization.gather_16bit_weights_on_model_save"),
     "llamafactory-z3-offload": ("ZeRO stage 3", "top-level key 'monitor_config' is not read by DeepSpeed"),
     "old-bfloat16-block": ("ZeRO stage 2, bf16", 'renamed "bfloat16" to "bf16"'),
+    "llamafactory-autotp": ("distributed: 2 ranks = 1 data-parallel x 2 tensor-parallel", "ZeRO stage 2"),
     "old-deprecated-names": (
         "ZeRO stage 3",
         "renamed zero_optimization.cpu_offload to zero_optimization.offload_optimizer",

@@ -63,7 +63,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     run = launch(
         FAST + ["--max_steps", "3", "--deepspeed", "ds_configs/zero2.json"], tmp_path / "one", launcher="python"
     ).check()
-    assert "distributed: 1 rank(s)" in run.log and len(run.losses) == 3
+    assert "distributed: 1 rank = 1 data-parallel" in run.log and len(run.losses) == 3
     assert (run.output_dir / "model.safetensors").exists()
 
 

@@ -140,7 +140,7 @@ def test_two_nodes_train_like_one_node_of_two_ranks(trained, tmp_path):
         )
     for code, log in results:
         assert code == 0, log[-4000:]
-    assert "distributed: 2 rank(s)" in "".join(log for _, log in results)
+    assert "distributed: 2 ranks = 2 data-parallel" in "".join(log for _, log in results)
     got = losses(tmp_path / "run")
     assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref.losses)) <= 1e-5
 
@@ -245,7 +245,7 @@ def test_accelerate_launch_with_our_deepspeed_json(trained, tmp_path):
     )
     assert code == 0, log[-4000:]
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
-    assert ds["zero_optimization"]["stage"] == 3 and "distributed: 2 rank(s)" in log
+    assert ds["zero_optimization"]["stage"] == 3 and "distributed: 2 ranks = 2 data-parallel" in log
     got = losses(tmp_path / "run")
     assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref.losses)) <= 1e-6
 

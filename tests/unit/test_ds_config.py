@@ -100,7 +100,7 @@ def test_explicit_value_fills_a_field_the_recipe_left_unset():
 
 def test_batch_arithmetic_that_does_not_add_up():
     cfg, explicit = cfg_for("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
-    with pytest.raises(ConfigError, match=r"train_batch_size=32 but micro 4 x accumulation 2 x world 2 = 16"):
+    with pytest.raises(ConfigError, match=r"train_batch_size=32 but micro 4 x accumulation 2 x data-parallel 2 = 16"):
         resolve_all({"train_batch_size": 32}, cfg, explicit, 2, 64, 10)
 
 
