@@ -16,6 +16,10 @@ benchmarks/estimator.md); activations are traced through the installed transform
 LoRA (--lora_r and the other LoRA options of train.py, or a recipe's `lora:` block): the adapters are counted
 by peft's own get_peft_model on the meta model; only they get grads and optimizer states. --table, when LoRA
 is not set, also tries LoRA r=16 on all-linear, before any offload.
+Tensor parallelism (DeepSpeed's AutoTP): the size comes from the merged config's tensor_parallel.autotp_size, or
+--tensor_parallel N; AutoTP's split linear layers (their grads and optimizer states) and the activations inside
+attention and the MLP are divided by it, embeddings, norms and the rest stay whole, and ZeRO partitions over the
+data-parallel ranks (world / N). --table tries TP sizes 2, 4 and 8 where they divide the GPUs per node.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def gb(n: float) -> str:
 
 def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
-    from zero_recipes import ds_config, model as modeling
+    from zero_recipes import ds_config, model as modeling, parallel
     from zero_recipes.config import parse_args
 
     argv = ["--recipe", args.recipe] if args.recipe else []
@@ -87,6 +91,8 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
             cfg, modeling.meta_model(config), config.model_type
         )  # a target the model lacks: the same one-line error as train.py's
     raw = ds_config.load_fragments(cfg.deepspeed)
+    if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
+        raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
     notes = []
     if (
         all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
@@ -105,6 +111,9 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
+    mesh = parallel.Mesh(world, parallel.tensor_parallel_size(ds))
+    parallel.check_mesh(mesh)
+    parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
     return cfg, config, ds, notes
 
 
@@ -149,6 +158,11 @@ def one(args, gpu_memory):
         cfg.attn_implementation or "sdpa",
     )
     e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
+    if e.tensor_parallel > args.num_gpus:
+        notes.append(
+            f"a tensor-parallel group of {e.tensor_parallel} spans {args.num_gpus}-GPU nodes: its per-layer all-reduces "
+            "would cross the network; keep autotp_size within the GPUs per node"
+        )
     e.notes = notes
     return e, cfg, config
 
@@ -163,6 +177,12 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
         f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
     )
+    if e.tensor_parallel > 1:
+        print(
+            f"tensor parallel: {e.data_parallel} data-parallel x {e.tensor_parallel} tensor-parallel (AutoTP); each "
+            f"rank holds {e.params_per_rank:,} of the {e.num_params:,} parameters before ZeRO partitions them over "
+            f"the {e.data_parallel} data-parallel rank(s)"
+        )
     if e.trainable_params is not None:
         print(
             f"lora: r {cfg.lora_r} on {', '.join(cfg.lora_target_modules)}; trains {e.trainable_params:,} of "
@@ -208,20 +228,32 @@ def print_table(t: dict) -> None:
     )
     if t["lora_tried"]:
         print(f"+lora: LoRA r {t['lora_tried']['r']} on all-linear (not set: tried before any offload)")
-    rows = t["rows"] + t["lora_rows"]
-    columns = list(dict.fromkeys((r["config"], r["lora_r"]) for r in rows))
-    label = {k: k[0] + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "") for k in columns}
+    if t["tensor_parallel_tried"]:
+        print(
+            "+tpN: AutoTP with N GPUs per group, tried where N divides the GPUs per node (never across nodes); "
+            "ZeRO partitions over the GPUs / N data-parallel ranks"
+        )
+    for note in t["notes"]:
+        print(f"note: {note}")
+    rows = t["rows"] + t["lora_rows"] + t["tp_rows"]
+    columns = list(dict.fromkeys((r["config"], r["lora_r"], r["tensor_parallel"]) for r in rows))
+    label = {
+        k: k[0] + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "") + (f"+tp{k[2]}" if k[2] > 1 else "")
+        for k in columns
+    }
     print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{label[k]:>24s}" for k in columns))
+    mark = {"yes": "*", "tight": "~", "no": " "}
     for n in GPU_COUNTS:
         for gc in (False, True):
             cells = {
-                (r["config"], r["lora_r"]): r for r in rows if r["num_gpus"] == n and r["gradient_checkpointing"] == gc
+                (r["config"], r["lora_r"], r["tensor_parallel"]): r
+                for r in rows
+                if r["num_gpus"] == n and r["gradient_checkpointing"] == gc
             }
             print(
                 f"{n:>5d} {'on' if gc else 'off':>3s} "
                 + " ".join(
-                    f"{gb(cells[k]['peak_bytes']) + {'yes': '*', 'tight': '~', 'no': ' '}[cells[k]['fit']]:>24s}"
-                    for k in columns
+                    f"{gb(cells[k]['peak_bytes']) + mark[cells[k]['fit']] if k in cells else '-':>24s}" for k in columns
                 )
             )
     print()
@@ -232,8 +264,10 @@ def print_table(t: dict) -> None:
 
 def recommendation(b: dict, lora_given: int) -> str:
     lora = f" + LoRA r{b['lora_r']}" if b["lora_r"] and not lora_given else ""
+    tp = b.get("tensor_parallel", 1)
     return (
-        f"{b['config']}{lora}{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
+        f"{b['config']}{lora}{f' + tensor parallel {tp} (within a node)' if tp > 1 else ''}"
+        f"{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
         f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
         + (" (LoRA: full fine-tuning fits only with offload or not at all)" if lora else "")
     )
@@ -250,6 +284,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the recipe's block_size)")
     ap.add_argument("--gradient_checkpointing", action="store_true")
     ap.add_argument("--gpu_memory", help="memory per GPU, e.g. 80GiB; says whether it fits")
+    ap.add_argument(
+        "--tensor_parallel",
+        type=int,
+        help="AutoTP size (GPUs per tensor-parallel group); default: the config's tensor_parallel.autotp_size, else 1",
+    )
     lora = ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)")
     lora.add_argument("--lora_r", type=int, help="LoRA rank (0: full fine-tuning, the default)")
     lora.add_argument("--lora_alpha", type=float)
@@ -271,6 +310,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
         if args.num_gpus < 1 or args.num_nodes < 1:
             raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
+        if args.tensor_parallel is not None and args.tensor_parallel < 1:
+            raise ConfigError(f"--tensor_parallel must be >= 1 (got {args.tensor_parallel})")
         if not (0 < args.mfu <= 1):
             raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
         gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None

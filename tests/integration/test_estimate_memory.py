@@ -279,3 +279,71 @@ def test_lora_options_and_recipe_block(config_json, tmp_path):
     assert f"trains {want:,} of" in proc.stdout and " x 256 tokens" in proc.stdout
     bad = run_cli(*base, "--lora_r", "8", "--lora_target_modules", "qkv_proj")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --lora_target_modules")
+
+
+# Tensor parallelism (AutoTP): the size from --tensor_parallel or from a fragment, one rank's share, the table's TP
+# columns within a node, and a world that does not split into TP groups refused in one line
+def _tp_json(*args):
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_tensor_parallel_flag_and_fragment_agree_and_divide_the_split_layers(config_json, tmp_path):
+    base = ["--model", str(config_json), "--num_gpus", "4", "--seq_len", "512"]
+    plain = _tp_json(*base, "--deepspeed", "ds_configs/zero2.json", "ds_configs/bf16.json")
+    flag = _tp_json(*base, "--deepspeed", "ds_configs/zero2.json", "ds_configs/bf16.json", "--tensor_parallel", "2")
+    fragment = tmp_path / "tp2.json"
+    fragment.write_text(json.dumps({"tensor_parallel": {"autotp_size": 2}}))
+    frag = _tp_json(*base, "--deepspeed", "ds_configs/zero2.json", "ds_configs/bf16.json", str(fragment))
+    assert flag == frag
+    assert (plain["tensor_parallel"], plain["data_parallel"]) == (1, 4)
+    assert (flag["tensor_parallel"], flag["data_parallel"]) == (2, 2)
+    # the embedding (8000 x 256) stays whole, the rest of the model is split in two
+    emb = SMALL_LLAMA["vocab_size"] * SMALL_LLAMA["hidden_size"]
+    assert flag["num_params"] == plain["num_params"]
+    assert flag["params_per_rank"] < plain["num_params"]
+    assert (
+        flag["params_per_rank"] - emb > 0
+        and abs(2 * (flag["params_per_rank"] - emb) - (plain["num_params"] - emb)) < 2 * 1_728
+    )
+    assert (
+        flag["phases"]["forward_backward"]["activations_bytes"]
+        < plain["phases"]["forward_backward"]["activations_bytes"]
+    )
+    text = run_cli(*base, "--deepspeed", "ds_configs/zero2.json", "--tensor_parallel", "2").stdout
+    assert "tensor parallel: 2 data-parallel x 2 tensor-parallel (AutoTP)" in text
+
+
+def test_world_not_divisible_by_tensor_parallel_is_one_line(config_json):
+    proc = run_cli(
+        "--model", str(config_json), "--deepspeed", "ds_configs/zero2.json", "--num_gpus", "3", "--tensor_parallel", "2"
+    )
+    lines = [x for x in proc.stderr.splitlines() if x.strip() and "WARNING" not in x]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-2000:]
+    assert "tensor-parallel groups of 2" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_table_has_tensor_parallel_columns_within_a_node(config_json):
+    """TP sizes that divide the GPUs per node (the table's GPU counts are per node), combined with ZeRO-1/2/3;
+    the model's 2 key-value heads refuse 4 and 8, as train.py would. Every recommendation keeps its TP group
+    inside a node, also on several nodes."""
+    args = ["--model", str(config_json), "--deepspeed", "ds_configs/bf16.json", "--seq_len", "512"]
+    t = _tp_json(*args, "--table", "--gpu_memory", "80GiB")
+    assert t["tensor_parallel_tried"] == [2]
+    assert any("autotp_size 4" in n for n in t["notes"])
+    cells = {(r["num_gpus"], r["tensor_parallel"], r["config"]) for r in t["tp_rows"]}
+    assert {(n, 2, c) for n in (2, 4, 8, 16, 32, 64) for c in ("zero1", "zero2", "zero3")} <= cells
+    assert (1, 2, "zero1") not in cells
+    assert all(r["tensor_parallel"] == 1 for r in t["rows"] + t["lora_rows"])
+    config_json.write_text(
+        json.dumps({"model_type": "llama", **SMALL_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 8})
+    )
+    # small enough a card that TP is what fits at some GPU counts
+    nodes = _tp_json(*args, "--table", "--gpu_memory", "1.3GiB", "--num_nodes", "4")
+    assert nodes["tensor_parallel_tried"] == [2, 4, 8]
+    assert all(r["num_gpus"] % r["tensor_parallel"] == 0 for r in nodes["tp_rows"])
+    assert {r["tensor_parallel"] for r in nodes["tp_rows"] if r["num_gpus"] == 2} == {2}
+    assert all(int(n) % b["tensor_parallel"] == 0 for n, b in nodes["recommended"].items())
+    text = run_cli(*args, "--table", "--gpu_memory", "80GiB").stdout
+    assert "zero2+tp2" in text and "+tpN: AutoTP" in text

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
-from zero_recipes import distributed, lora, model as modeling
+from zero_recipes import distributed, lora, model as modeling, parallel
 from zero_recipes.bench.common import allocator_events
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
@@ -70,22 +70,26 @@ def main(argv: list[str]) -> int:
 
     modeling.causal_lm_class(model_config)
     vocab = model_config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(rank)
+    # every rank of a tensor-parallel group must see the same tokens (DeepSpeed checks the first batch: "Data
+    # inconsistency within the TP group"), so the tokens are seeded by the data-parallel rank
+    gen = torch.Generator().manual_seed(plan.mesh.dp_rank(rank))
     batches = [
         torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
         for _ in range(STEPS * cfg.gradient_accumulation_steps)
     ]
+    mpu = plan.mesh.deepspeed_mpu()  # as train.py: DeepSpeed's groups under TP (the batch counts dp ranks)
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("phase:init"):
-            hf_ds = HfDeepSpeedConfig(ds)  # noqa: F841 -- alive while the model is built, as in train.py
+            # alive while the model is built, with train.py's dict for zero.Init (parallel.zero_init_config)
+            hf_ds = HfDeepSpeedConfig(parallel.zero_init_config(ds, plan.mesh))  # noqa: F841
             # as train.py's build_model: a pretrained base loads in bf16 under bf16, and LoRA wraps it
             bf16_load = plan.precision == "bf16" and cfg.model_name_or_path
             model = modeling.build_model(cfg, model_config, torch.bfloat16 if bf16_load else torch.float32, rank)
             if lora.enabled(cfg):
                 model = lora.wrap(model, cfg)
-            engine = make_engine(cfg, model, ds, STEPS)
+            engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
         for ids in batches:
             with record_function("phase:forward_backward"):
@@ -97,6 +101,7 @@ def main(argv: list[str]) -> int:
     mine["num_params"] = modeling.num_params(engine.module)
     mine["trainable_params"] = lora.trainable_count(engine.module)[0]
     mine["precision"] = plan.precision
+    mine["tensor_parallel"] = plan.mesh.tp
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:

@@ -127,18 +127,26 @@ def trace_peak(
 
 
 def closed_form(
-    config, micro_batch: int, seq_len: int, bytes_per: int, gradient_checkpointing: bool, attn: str
+    config,
+    micro_batch: int,
+    seq_len: int,
+    bytes_per: int,
+    gradient_checkpointing: bool,
+    attn: str,
+    tp: int = 1,
+    vocab_parallel: bool = False,
 ) -> Activations:
     """Korthikanti et al.: s*b*h*34 bytes per layer in 16-bit, plus 5*a*s^2*b without a fused attention
     kernel; full recompute keeps 2*s*b*h per layer (plus one layer's worth while it recomputes). The loss
-    region is 14*s*b*V in 16-bit (16 in fp32)."""
+    region is 14*s*b*V in 16-bit (16 in fp32). With tensor parallelism (their section 4.2.1) s*b*h*(10 + 24/t)
+    and the attention matrix over t; the loss region over t only for a vocabulary-parallel head."""
     t = config.get_text_config()
     s, b, h, layers = seq_len, micro_batch, t.hidden_size, t.num_hidden_layers
     scale = bytes_per / 2
-    per_layer = s * b * h * 34 * scale + (
-        0 if attn in ("sdpa", "flash_attention_2") else 5 * t.num_attention_heads * s * s * b * scale
+    per_layer = s * b * h * (10 + 24 / tp) * scale + (
+        0 if attn in ("sdpa", "flash_attention_2") else 5 * t.num_attention_heads * s * s * b * scale / tp
     )
-    loss = s * b * t.vocab_size * (14 if bytes_per == 2 else 16)
+    loss = s * b * t.vocab_size * (14 if bytes_per == 2 else 16) / (tp if vocab_parallel else 1)
     if gradient_checkpointing:
         total = layers * 2 * s * b * h * scale + per_layer + loss
     else:
@@ -147,20 +155,40 @@ def closed_form(
 
 
 def activation_bytes(
-    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str = "sdpa", lora=None
+    config,
+    micro_batch: int,
+    seq_len: int,
+    dtype,
+    gradient_checkpointing: bool,
+    attn: str = "sdpa",
+    lora=None,
+    tp: int = 1,
+    vocab_parallel: bool = False,
 ) -> Activations:
-    """`lora`: a peft LoraConfig (zero_recipes.lora.lora_config) to trace the peft-wrapped model, else None."""
+    """`lora`: a peft LoraConfig (zero_recipes.lora.lora_config) to trace the peft-wrapped model, else None.
+    `tp` > 1: one tensor-parallel rank's activations, traced through the model with its per-rank widths
+    (tensor_parallel.local_config: heads and MLP width over tp, the residual stream and norms whole)."""
     import torch
 
+    from .tensor_parallel import local_config
+
     layers = config.get_text_config().num_hidden_layers
+    traced = local_config(config, tp, vocab_parallel) if tp > 1 else config
     try:
         one, two = (
-            trace_peak(_with_layers(config, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn, lora)
+            trace_peak(_with_layers(traced, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn, lora)
             for n in (1, 2)
         )
     except Exception:  # noqa: BLE001 -- any model code that cannot run on fake tensors
         return closed_form(
-            config, micro_batch, seq_len, 2 if dtype != torch.float32 else 4, gradient_checkpointing, attn
+            config,
+            micro_batch,
+            seq_len,
+            2 if dtype != torch.float32 else 4,
+            gradient_checkpointing,
+            attn,
+            tp,
+            vocab_parallel,
         )
     per_layer = max(0, two - one)
     return Activations(one + (layers - 1) * per_layer, per_layer, "traced")

@@ -74,6 +74,7 @@ def parse_memory(text: str) -> int:
 @dataclass
 class ModelShape:
     num_params: int
+    """Parameters one rank holds before ZeRO: the whole model, or with tensor parallelism its AutoTP shard."""
     largest_param: int
     trainable: int | None = None
     """LoRA: the parameters the optimizer steps (adapters, modules_to_save); None: all (full fine-tuning)."""
@@ -81,18 +82,42 @@ class ModelShape:
     quantized: int = 0
     """QLoRA: parameters stored in NF4 (every Linear weight but the output head); 0 without --load_in_4bit."""
     largest_quantized: int = 0
+    tp: int = 1
+    """Tensor-parallel ranks per group (AutoTP's autotp_size)."""
+    full_params: int = 0
+    """The whole model's parameters when tp > 1 (num_params is then one rank's share); 0: num_params."""
+    vocab_parallel: bool = False
+    """tp > 1 and the tied embedding/head split along the vocabulary (logits V/tp wide)."""
+
+    @property
+    def model_params(self) -> int:
+        return self.full_params or self.num_params
 
     @classmethod
-    def of(cls, config, lora=None, load_in_4bit: bool = False) -> "ModelShape":
+    def of(cls, config, lora=None, load_in_4bit: bool = False, tp: int = 1, tp_block=None) -> "ModelShape":
         """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
         LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
-        so the adapters' count is peft's, for any architecture and target list."""
+        so the adapters' count is peft's, for any architecture and target list. With `tp` > 1, one rank's
+        share under AutoTP, split by DeepSpeed's own reading of the model's TP plan (tensor_parallel.split)."""
         import copy
 
         from ..lora import quantized_linears, trainable_count
         from ..model import meta_model, num_params
 
         model = meta_model(config)
+        if tp > 1:
+            if lora is not None or load_in_4bit:
+                raise ConfigError("the estimate does not model LoRA or 4-bit weights with tensor parallelism")
+            from .tensor_parallel import split
+
+            s = split(model, tp, tp_block)
+            return cls(
+                s.params_per_rank,
+                s.largest_per_rank,
+                tp=tp,
+                full_params=num_params(model),
+                vocab_parallel=s.vocab_parallel,
+            )
         quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
         if lora is None:
             return cls(num_params(model), max(p.numel() for p in model.parameters()))
@@ -146,6 +171,11 @@ class Estimate:
     notes: list = field(default_factory=list)
     trainable_params: int | None = None
     """LoRA: the parameters trained (adapters, modules_to_save); None for full fine-tuning."""
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    """The ranks ZeRO partitions over: the world divided by tensor_parallel."""
+    params_per_rank: int | None = None
+    """Parameters one rank holds before ZeRO partitions them (the AutoTP shard; num_params without TP)."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -168,8 +198,14 @@ def estimate(
     import torch
 
     from ..ds_config import offloads, zero_stage
+    from ..parallel import tensor_parallel_size
+    from .tensor_parallel import data_parallel
 
-    shape = shape or ModelShape.of(model_config, lora, load_in_4bit)
+    tp = tensor_parallel_size(ds)
+    dp = data_parallel(launch.world, tp)  # ZeRO's N: it partitions over the data-parallel ranks only
+    shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
+    if shape.tp != tp:
+        raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {tp}")
     precision = ds_precision(ds)
     p = 4 if precision == "fp32" else 2
     stage = zero_stage(ds)
@@ -178,7 +214,7 @@ def estimate(
     setup = Setup(
         shape.num_params,
         shape.largest_param,
-        launch.world,
+        dp,
         stage,
         p,
         precision != "fp32",
@@ -210,6 +246,8 @@ def estimate(
             launch.gradient_checkpointing,
             launch.attn_implementation,
             lora,
+            tp,
+            shape.vocab_parallel,
         )
     table = {}
     for name in PHASES:
@@ -230,9 +268,12 @@ def estimate(
     top = table[peak_phase]
     # Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
     # rank materialises the whole model on the host (fp32 for a random init) before DeepSpeed moves it; with
-    # it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time.
+    # it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time. Under tensor
+    # parallelism too: AutoTP splits the built model inside deepspeed.initialize (engine.py
+    # `_apply_autotp_partitioning`), so each rank first holds the whole of it.
     host_states = max(t["host_bytes"] for t in table.values())
-    init_host = 4 * shape.num_params if stage < 3 else min(5 * 10**9, 2 * shape.num_params)
+    full = shape.model_params
+    init_host = 4 * full if stage < 3 else min(5 * 10**9, 2 * full)
     if shape.trainable is not None:  # LoRA loads a pretrained base in setup.load_bytes (and its reads, states.py)
         init_host = setup.load_bytes * shape.num_params + by_phase["init"].host_buffers if stage < 3 else init_host
     nvme = {off_opt, off_par} & {"nvme"}
@@ -258,7 +299,7 @@ def estimate(
     }
     fit = fit_verdict(per_gpu["peak_bytes"], gpu_memory)
     return Estimate(
-        shape.num_params,
+        shape.model_params,
         precision,
         stage,
         {"optimizer": off_opt, "param": off_par},
@@ -269,6 +310,9 @@ def estimate(
         None if fit is None else fit == "yes",
         fit,
         trainable_params=shape.trainable,
+        tensor_parallel=tp,
+        data_parallel=dp,
+        params_per_rank=shape.num_params,
     )
 
 

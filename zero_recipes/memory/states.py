@@ -27,7 +27,7 @@ PHASES = ("init", "forward_backward", "optimizer_step")
 class Setup:
     num_params: int
     largest_param: int
-    world: int  # data-parallel ranks
+    world: int  # data-parallel ranks (the world over tensor_parallel; num_params then one TP rank's share)
     stage: int
     bytes_per_param: int  # p
     mixed: bool  # bf16/fp16 with an fp32 master copy
