@@ -248,7 +248,11 @@ def dry_run(plan: RunPlan, log) -> int:
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )
     if plan.mesh.tp > 1:
-        log(f"mesh (rank -> data-parallel, tensor-parallel coordinates):\n{parallel.picture(plan.mesh)}")
+        local = distributed.rank_info()[3]
+        nodes = local if plan.world > local > 1 else None
+        log(
+            f"mesh (global ranks: a row per data-parallel replica, a column per tensor-parallel index):\n{parallel.picture(plan.mesh, nodes)}"
+        )
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0
 

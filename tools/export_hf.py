@@ -22,9 +22,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from zero_recipes.checkpoint import HF_FILES, find_checkpoint
+from zero_recipes.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, find_checkpoint
 from zero_recipes.config import ConfigError
 from zero_recipes.lora import is_adapter_dir, peft_model_from
+from zero_recipes.resume import convert_to_universal
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -49,7 +50,8 @@ def check_complete(ckpt: Path) -> int:
         raise ConfigError(f"{ckpt} has no model_states.pt file: the save did not finish; export an earlier checkpoint")
     state = torch.load(model_files[0], map_location="cpu", weights_only=False, mmap=True)  # only its header is read
     stage = int(state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
-    world = int(state.get("dp_world_size", 1))
+    # one optimizer-state file per (data-parallel, tensor-parallel) rank
+    world = int(state.get("dp_world_size", 1)) * int(state.get("mp_world_size", 1) or 1)
     optim = sorted(ckpt.glob("*optim_states.pt"))
     if stage >= 1 and len(optim) != world:
         raise ConfigError(
@@ -64,6 +66,14 @@ def check_complete(ckpt: Path) -> int:
             "it was not saved by zero-recipes' train.py"
         )
     return stage
+
+
+def tensor_parallel_degree(ckpt: Path) -> int:
+    """The AutoTP degree that saved a checkpoint (1: none): its model-state files hold TP shards then."""
+    import torch
+
+    state = torch.load(next(ckpt.glob("*model_states.pt")), map_location="cpu", weights_only=False, mmap=True)
+    return int(state.get("mp_world_size", 1) or 1)
 
 
 def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, merge: bool = False) -> Path:
@@ -86,7 +96,16 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, mer
                 out_dir.rmdir()
             tmp.replace(out_dir)
             return ckpt
-        if stage == 0:
+        if tensor_parallel_degree(ckpt) > 1:
+            if stage == 3:
+                raise ConfigError(
+                    f"{ckpt} is a ZeRO-3 + tensor-parallel checkpoint, which DeepSpeed 0.19.8 cannot convert "
+                    "(ds_to_universal fails on it: 'exceeds dimension size'). Relaunch the run's own command "
+                    "(same ranks and configs): it resumes from this checkpoint, and the output_dir it finishes "
+                    "is the exported model"
+                )
+            write_tensor_parallel(base, tag, tmp, getattr(torch, DTYPES[dtype]), max_shard_size)
+        elif stage == 0:
             # ZeRO-0 saves the whole module in one file; zero_to_fp32 handles only partitioned stages
             from huggingface_hub import save_torch_state_dict
 
@@ -113,6 +132,26 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, mer
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ckpt
+
+
+def write_tensor_parallel(base: Path, tag: str, out: Path, dtype, max_shard_size: str) -> None:
+    """An AutoTP checkpoint holds each rank's shard of the split layers, which zero_to_fp32 would write as
+    if they were whole weights. DeepSpeed's universal conversion merges the shards (and the ZeRO partitions)
+    into one full fp32 tensor per parameter; those are the weights. Converted in a scratch directory that
+    is removed afterwards, or read from the conversion a resume already made."""
+    import tempfile
+
+    import torch
+    from huggingface_hub import save_torch_state_dict
+
+    made = base / (tag + UNIVERSAL_SUFFIX)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".universal-") as scratch:
+        universal = made if (made / "zero").is_dir() else convert_to_universal((base, tag), Path(scratch) / "u")
+        sd = {}
+        for param_dir in sorted(p for p in (universal / "zero").iterdir() if (p / "fp32.pt").is_file()):
+            tensor = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+            sd[param_dir.name] = tensor.to(dtype)
+        save_torch_state_dict(sd, str(out), max_shard_size=max_shard_size, safe_serialization=True)
 
 
 def export_lora(base: Path, tag: str, stage: int, out: Path, dtype, merge: bool, max_shard_size: str) -> None:

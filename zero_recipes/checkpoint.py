@@ -187,7 +187,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-LAYOUT = "layout.json"  # per checkpoint: the world size and ZeRO stage that saved it
+LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP size and ZeRO stage that saved it
 UNIVERSAL_SUFFIX = "-universal"
 HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
 
@@ -217,13 +217,10 @@ def save(
     # ranks finish theirs (engine.save_checkpoint, 0.19.8), so a rank killed mid-save could leave `latest`
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
     # every rank's files exist, and atomically.
-    if rank == 0:  # what a later resume compares against its own world size and stage
+    if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
         (d / tag).mkdir(parents=True, exist_ok=True)
-        (d / tag / LAYOUT).write_text(
-            json.dumps(
-                {"world": engine.dp_world_size, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
-            )
-        )
+        layout = {"world": engine.dp_world_size, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
+        (d / tag / LAYOUT).write_text(json.dumps({**layout, "tensor_parallel": max(1, engine.autotp_size())}))
     # A LoRA run's frozen base is the pretrained model: not saved again (its adapter config names it)
     engine.save_checkpoint(
         str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)

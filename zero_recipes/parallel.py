@@ -70,16 +70,18 @@ class Mesh:
 
 
 def picture(mesh: Mesh, gpus_per_node: Optional[int] = None) -> str:
-    """The mesh as text, one row per data-parallel replica: each cell is a global rank and its
-    (dp, tp) coordinates; `|` separates nodes when the GPUs per node are given."""
-    rows = []
+    """The mesh as a grid of global ranks: a row per data-parallel replica (dp), a column per
+    tensor-parallel index (tp), and the node each row sits on when the GPUs per node are given. TP's
+    per-layer all-reduces run along a row; ZeRO's gradient and parameter collectives run down a column."""
+    width = max(4, len(str(mesh.world - 1)) + 1)
+    node_col = gpus_per_node is not None
+    head = (
+        ("        " if node_col else "") + "      " + "".join(f"{'tp ' + str(t):>{width + 2}}" for t in range(mesh.tp))
+    )
+    rows = [head.rstrip()]
     for d in range(mesh.dp):
-        cells = []
-        for t in range(mesh.tp):
-            rank = d * mesh.tp + t
-            cells.append(f"rank {rank:>2} (dp {d}, tp {t})")
-        node = f"node {d * mesh.tp // gpus_per_node}: " if gpus_per_node else ""
-        rows.append(f"{node}replica {d}: " + "  ".join(cells))
+        node = f"node {d * mesh.tp // gpus_per_node:<3}" if node_col else ""
+        rows.append(f"{node}dp {d:<3}" + "".join(f"{d * mesh.tp + t:>{width + 2}}" for t in range(mesh.tp)))
     return "\n".join(rows)
 
 
@@ -121,6 +123,15 @@ def check_tensor_parallel(mesh: Mesh, model_config, ds: dict, cfg) -> tuple[str,
                 f"tensor_parallel.autotp_size = {tp} does not divide the model's {n} {what}; use an autotp_size "
                 f"that divides {n} (each TP rank holds whole heads)"
             )
+    from .ds_config import zero_stage  # here: ds_config imports this module
+
+    if zero_stage(ds) == 0:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size = {tp} with ZeRO-0: DeepSpeed saves such checkpoints without the "
+            "optimizer partitions its universal conversion needs, so tools/export_hf.py could not export them "
+            "nor a resume change the data-parallel size; use ds_configs/zero1.json (it costs nothing at one "
+            "data-parallel replica and shards the optimizer states across more)"
+        )
     if cfg.lora_r:
         raise ConfigError(
             f"tensor_parallel.autotp_size = {tp} with LoRA: AutoTP splits nn.Linear layers and PEFT's LoRA layers "

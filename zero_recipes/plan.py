@@ -45,12 +45,19 @@ class RunPlan:
         cfg, explicit = parse_args(argv)
         raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
         model_config = modeling.load_model_config(cfg)
-        world = distributed.rank_info()[2]
+        world, notes = distributed.rank_info()[2], ()
+        tp = parallel.tensor_parallel_size(raw)
+        if cfg.dry_run and world == 1 and tp > 1:  # `python train.py --dry_run` on a login node, no launcher
+            world = tp
+            notes = (
+                f"dry run without a launcher: planned for {tp} ranks (one tensor-parallel group); set WORLD_SIZE "
+                "(and LOCAL_WORLD_SIZE, the GPUs per node) to plan the real mesh",
+            )
         resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
         cfg = resolved.cfg
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
         mesh = parallel.Mesh(world, parallel.tensor_parallel_size(resolved.ds))
-        notes = resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
+        notes += resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
         return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
     def complete(self, total_steps: int, tokenizer=None) -> RunPlan:

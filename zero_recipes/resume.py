@@ -15,15 +15,32 @@ from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume, se
 from .config import ConfigError
 
 
-def layout_change(where: tuple[Path, str], world: int, stage: int) -> Optional[dict]:
-    """The saved (world, stage) when they differ from this run's; None when they match. A change
-    DeepSpeed's universal checkpoint cannot make is refused with one line."""
+def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
+    """The saved layout (data-parallel size "world", tensor-parallel size, stage) when it differs from this
+    run's; None when it matches. A change DeepSpeed's universal checkpoint cannot make is refused in one line."""
     f = where[0] / where[1] / LAYOUT
     if not f.is_file():
         return None  # saved before layouts were recorded: load as is
     saved = json.loads(f.read_text())
-    if saved["world"] == world and saved["zero_stage"] == stage:
+    saved_tp = saved.get("tensor_parallel", 1)
+    if saved_tp != mesh.tp:
+        # DeepSpeed 0.19.8's universal checkpoint re-slices AutoTP weights only at the degree they were saved
+        # with (its AutoTP conversion is not TP-degree-aware), so loading at another would mix shards.
+        raise ConfigError(
+            f"cannot resume a checkpoint saved with tensor_parallel.autotp_size {saved_tp} at autotp_size "
+            f"{mesh.tp}: DeepSpeed's universal checkpoint changes the data-parallel size only. Resume with "
+            f"autotp_size {saved_tp}, or export it (tools/export_hf.py) and start from the export with "
+            "--model_name_or_path"
+        )
+    if saved["world"] == mesh.dp and saved["zero_stage"] == stage:
         return None
+    if saved_tp > 1 and 3 in (saved["zero_stage"], stage):
+        raise ConfigError(
+            f"cannot resume this ZeRO-{saved['zero_stage']} checkpoint of {ranks(saved)} as ZeRO-{stage} with "
+            f"{mesh.dp} data-parallel ranks: DeepSpeed 0.19.8's universal conversion fails on ZeRO-3 + "
+            f"tensor-parallel checkpoints (ds_to_universal: 'exceeds dimension size'). Resume with "
+            f"{saved['world']} data-parallel x {saved_tp} tensor-parallel ranks and ZeRO-{saved['zero_stage']}"
+        )
     a, b = saved["zero_stage"], stage
     if a == 0 or b == 0 or (a == 3) != (b == 3):
         raise ConfigError(
@@ -35,52 +52,72 @@ def layout_change(where: tuple[Path, str], world: int, stage: int) -> Optional[d
     return saved
 
 
+def ranks(layout: dict) -> str:
+    """A saved layout's ranks in words: "2 rank(s)", or "2 data-parallel x 2 tensor-parallel rank(s)"."""
+    tp = layout.get("tensor_parallel", 1)
+    return (
+        f"{layout['world']} rank(s)" if tp == 1 else f"{layout['world']} data-parallel x {tp} tensor-parallel rank(s)"
+    )
+
+
 def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
     """Convert a checkpoint once with DeepSpeed's own ds_to_universal (rank 0; the others wait)."""
-    import subprocess
-    import sys
-
     import torch
 
-    load_dir, tag = where
-    out = load_dir / (tag + UNIVERSAL_SUFFIX)
     error = [None]
-    if rank == 0 and not (out / "zero").is_dir():
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(load_dir / tag),
-                "--output_folder",
-                str(tmp),
-                "--inject_missing_state",
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = (
-                f"converting {load_dir / tag} to a universal checkpoint failed: "
-                + (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            )
-        else:
-            tmp.replace(out)
+    if rank == 0:
+        try:
+            convert_to_universal(where)
+        except ConfigError as e:
+            error[0] = str(e)
     torch.distributed.broadcast_object_list(error, src=0)
     if error[0]:
         raise ConfigError(error[0])
-    return load_dir, out.name
+    return where[0], where[1] + UNIVERSAL_SUFFIX
+
+
+def convert_to_universal(where: tuple[Path, str], out: Optional[Path] = None) -> Path:
+    """DeepSpeed's universal form of a checkpoint, in `out` or next to it (made once): one full fp32 tensor
+    per parameter in zero/<name>/fp32.pt, its ZeRO partitions and AutoTP shards merged by DeepSpeed's
+    ds_to_universal. One process, no process group."""
+    import subprocess
+    import sys
+
+    load_dir, tag = where
+    out = out or load_dir / (tag + UNIVERSAL_SUFFIX)
+    if (out / "zero").is_dir():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(load_dir / tag),
+            "--output_folder",
+            str(tmp),
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"converting {load_dir / tag} to a universal checkpoint failed: "
+            + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+    tmp.replace(out)
+    return out
 
 
 def data_position(
     saved_at: tuple[Path, str], rank_state: dict, layout_changed: bool, micro: int, world: int
 ) -> Optional[dict]:
-    """Where this rank's data order continues. On the same layout, its own saved position; on another world
-    size, rank 0's position recounted: the same rows consumed, in this run's micro-batches x ranks (rounded
-    down). saved_at is the original checkpoint, not its universal conversion (which has no rank files)."""
+    """Where this rank's data order continues. On the same layout, its own saved position; on another
+    data-parallel size, rank 0's position recounted: the same rows consumed, in this run's micro-batches x
+    data-parallel ranks (rounded down); `world` counts data-parallel ranks. saved_at is the original checkpoint, not its universal conversion (which has no rank files)."""
     if not layout_changed:
         return rank_state.get("data")
     import torch
@@ -135,18 +172,18 @@ def check_resume_layout(request: Optional[str], plan) -> None:
     """Refuse, before any process group starts, a resume onto another world size or ZeRO stage that cannot
     be converted (layout_change refuses the stage changes DeepSpeed cannot make)."""
     where = resolve_resume(plan.output_dir, request)
-    saved = layout_change(where, plan.world, plan.zero_stage) if where else None
+    saved = layout_change(where, plan.mesh, plan.zero_stage) if where else None
     if saved is None:
         return
     if plan.cfg.lora_r > 0:
         raise ConfigError(
-            f"this LoRA run was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}; its checkpoint "
+            f"this LoRA run was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}; its checkpoint "
             "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
-            f"Resume with {saved['world']} rank(s) and ZeRO-{saved['zero_stage']}"
+            f"Resume with {ranks(saved)} and ZeRO-{saved['zero_stage']}"
         )
     if plan.cfg.streaming:
         raise ConfigError(
-            f"this streamed run was saved by {saved['world']} rank(s); a stream's per-rank "
+            f"this streamed run was saved by {ranks(saved)}; a stream's per-rank "
             "position cannot move to another world size. Resume with the same number of ranks"
         )
 
@@ -160,12 +197,14 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
         if request is not None:
             log(f"resume: no checkpoint in {plan.output_dir}, starting from scratch")
         return None
-    saved = layout_change(where, plan.world, plan.zero_stage)
+    saved = layout_change(where, plan.mesh, plan.zero_stage)
     if saved is None:
         return ResumePlan(where, where)
+    now = {"world": plan.mesh.dp, "tensor_parallel": plan.mesh.tp}
     log(
-        f"resume: {where[1]} was saved by {saved['world']} rank(s) with ZeRO-{saved['zero_stage']}, this run has "
-        f"{plan.world} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's universal checkpoint"
+        f"resume: {where[1]} was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}, this run has "
+        f"{ranks(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "
+        "universal checkpoint"
     )
     return ResumePlan(where, to_universal(where, rank), saved)
 
@@ -175,7 +214,7 @@ def restore(engine, resume: ResumePlan, order, plan, rank: int, log) -> int:
     state, rank_state = load(engine, resume.load_from, rank)
     step = int(state.get("step", engine.global_steps))
     position = data_position(
-        resume.saved_at, rank_state, resume.saved_layout is not None, plan.cfg.per_device_train_batch_size, plan.world
+        resume.saved_at, rank_state, resume.saved_layout is not None, plan.cfg.per_device_train_batch_size, plan.mesh.dp
     )
     if position is not None:
         order.load_state_dict(position)
