@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from helpers import REPO, launch
+from zero_recipes.shipped import TENSOR_PARALLEL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher).
@@ -34,6 +35,9 @@ CATALOGUE = {
     "llama-3.1-70b-sft-multinode.yaml": dict(data="ultrachat", nproc=2, stage=3, offload=(None, None)),
     "llama-3.1-8b-lora-24gb.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
     "qwen2.5-7b-lora-zero3.yaml": dict(data="smoltalk", nproc=2, stage=3, offload=(None, None)),
+    # tensor-parallel recipes: their TP8 stood in for by TP2 on the 2 ranks (the tiny model has 2 KV heads)
+    "llama-3.1-8b-sft-tp8.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
+    "llama-3.1-70b-sft-tp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
 }
 # the quick start's recipes: tiny-sft and tiny-lora-sft are trained by test_sft_training.py; tiny-llama is the embedded default
 # (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
@@ -210,8 +214,16 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         "--max_eval_batches",
         "2",
     ]
+    tp = spec.get("tp", 1)
+    if tp > 1:  # the recipe's own fragments, its TP degree shrunk to the ranks here
+        fragments = [TENSOR_PARALLEL[tp] if "/tp" in f else f for f in recipe["deepspeed"]]
+        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json fragment to shrink"
+        args += ["--deepspeed", *fragments]
     launcher = "deepspeed" if spec["nproc"] > 1 else "python"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
+    if tp > 1:
+        dp = spec["nproc"] // tp
+        assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {tp} tensor-parallel" in run.log
 
     losses = run.losses
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.log[-3000:]
@@ -226,9 +238,10 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["train_micro_batch_size_per_gpu"] == recipe["per_device_train_batch_size"]
     assert ds["gradient_accumulation_steps"] == recipe["gradient_accumulation_steps"]
-    assert ds["train_batch_size"] == (
-        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"]
+    assert ds["train_batch_size"] == (  # a tensor-parallel group shares its micro-batch
+        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"] // tp
     )
+    assert ds.get("tensor_parallel", {}).get("autotp_size", 1) == tp
     # and the rest of the run as shipped
     run_config = json.loads((run.output_dir / "run_config.json").read_text())
     for key in (
