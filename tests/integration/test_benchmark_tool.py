@@ -74,3 +74,23 @@ def test_lora_benchmark_quick(tmp_path):
     # the base is frozen: no fp32 master copy, gradients or Adam moments of its weights, on disk or in memory
     assert lora["checkpoint_by_kind"]["optim_states"] < 0.2 * full["checkpoint_by_kind"]["optim_states"]
     assert lora["train_step_peak_bytes"]["max"] < full["train_step_peak_bytes"]["min"]
+
+
+def test_parallel_benchmark_quick(tmp_path):
+    """ZeRO-2, ZeRO-3, TP2 x ZeRO-1 (2 ranks) and TP2 x DP2 (4 ranks) each train the same global batch under
+    the allocator profiler: every configuration reports tokens/s and a peak per rank, and the tensor-parallel
+    ones lose exactly what ZeRO-2 loses at every step (fp32), which is what makes their speeds comparable."""
+    report = run_quick("parallel", tmp_path, timeout=600)
+    assert "## What the CPU ranking can and cannot say about NVLink GPUs" in report.with_suffix(".md").read_text()
+    c = json.loads(report.read_text())["configs"]
+    assert list(c) == ["ZeRO-2", "ZeRO-3", "TP2 x ZeRO-1", "TP2 x DP2 (ZeRO-1)"]
+    assert c["TP2 x DP2 (ZeRO-1)"]["distributed_line"].startswith("distributed: 4 ranks = 2 data-parallel x 2")
+    for name, x in c.items():
+        assert x["tokens_per_sec"]["min"] > 0, name
+        assert len(x["peak_bytes_by_rank"]) == x["ranks"] and min(x["peak_bytes_by_rank"]) > 0, name
+    zero2 = c["ZeRO-2"]["losses"]
+    assert len(zero2) == 3
+    for name in ("TP2 x ZeRO-1", "TP2 x DP2 (ZeRO-1)"):
+        assert len(c[name]["losses"]) == len(zero2)
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(c[name]["losses"], zero2)), (name, c[name]["losses"], zero2)
+        assert c[name]["loss_parity"]
