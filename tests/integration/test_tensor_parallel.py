@@ -98,6 +98,20 @@ def assert_whole_weights(model_dir):
     assert got == {k: want[k] for k in got} and "model.layers.0.mlp.down_proj.weight" in got
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # the other families of recipes/ with a TP plan
+def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 4096}
+    shape |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+    model = ["--model_config", json.dumps({"model_type": family, **shape})]
+    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0").check()
+    run = launch(
+        FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(2), *model, "--verify_export"], tmp_path / "tp"
+    ).check()
+    got, want = losses(run), losses(base)
+    assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
+    assert export_diff(run) <= PARITY
+
+
 def at_step_4(run_dir, dest):
     shutil.copytree(run_dir, dest)
     shutil.rmtree(dest / "checkpoints" / "step-8")

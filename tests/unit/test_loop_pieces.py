@@ -45,3 +45,24 @@ def test_guard_reports_the_first_non_finite_step_only():
     guard.observe(torch.tensor(float("inf")), step=3)
     guard.observe(torch.tensor(float("nan")), step=4)
     assert guard.check() == 3
+
+
+def test_a_tensor_parallel_group_counts_its_tokens_once(monkeypatch):
+    """2 steps of 1000 tokens per rank in 4 s: alone, a rank trained 500 tokens/s; in a TP group of 2 the
+    group trained them together, so each device did half of that, and MFU is taken on the half."""
+    from zero_recipes import metrics
+
+    clock = iter(())
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    records = {}
+    for tp in (1, 2):
+        clock = iter([0.0, 4.0, 4.0])  # the window opens, records, and opens the next
+        window = LogWindow("cpu", 1000, 1, flops_per_token=6.0, peak_flops=6e3, tensor_parallel=tp)
+        window.add_loss(torch.tensor(1.0))
+        window.add_step(0.0)
+        window.add_loss(torch.tensor(1.0))
+        window.add_step(0.0)
+        records[tp] = window.record()
+    assert records[1]["tokens_per_sec_per_device"] == 500 and records[1]["tokens_per_sec"] == 500
+    assert records[2]["tokens_per_sec_per_device"] == 250 and records[2]["tokens_per_sec"] == 250  # world of one
+    assert records[2]["mfu"] == pytest.approx(250 * 6.0 / 6e3)
