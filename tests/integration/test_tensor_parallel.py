@@ -35,6 +35,7 @@ LAYOUTS = {
     "tp2-zero2": (2, "zero2"),
     "tp2-zero3": (2, "zero3"),
     "tp2-zero2-offload": (2, "zero2+offload_optimizer"),
+    "tp2-zero3-offload": (2, "zero3+offload_all"),
     "tp2xdp2-zero1": (4, "zero1"),
     "tp2xdp2-zero2": (4, "zero2"),
     "tp2xdp2-zero3": (4, "zero3"),
@@ -80,6 +81,9 @@ def test_fp32_losses_match_zero0_on_the_same_global_batch(name, tp_run, trained)
     got, want = losses(run), losses(base)
     assert sorted(got) == list(range(1, 9))
     assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
+    # gradient clipping sees the whole gradient: the norm over every shard, replicated parts counted once
+    norms = [{r["step"]: r["grad_norm"] for r in x.records if "loss" in r} for x in (run, base)]
+    assert all(abs(norms[0][s] - norms[1][s]) <= 1e-4 * norms[1][s] for s in range(1, 9)), norms
     # the export is the whole model (AutoTP's shards gathered), and plain from_pretrained reproduces the engine
     assert export_diff(run) <= PARITY
     assert_whole_weights(run.output_dir)
