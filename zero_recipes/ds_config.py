@@ -129,6 +129,8 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     _resolve_precision(ds, r)
     mesh = parallel.Mesh(world_size, parallel.tensor_parallel_size(ds))
     parallel.check_mesh(mesh)
+    if mesh.tp > 1:
+        parallel.gather_logits(ds["tensor_parallel"])
     _resolve_batch(ds, r, mesh.dp)
     r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
     _resolve_optimizer(ds, r)

@@ -140,6 +140,20 @@ def check_tensor_parallel(mesh: Mesh, model_config, ds: dict, cfg) -> tuple[str,
     return ()
 
 
+def gather_logits(block: dict) -> None:
+    """Keep the logits whole: `vocab_parallel_lm_head` false unless the config says otherwise. DeepSpeed
+    otherwise splits a tied embedding/head along the vocabulary (engine.py `_apply_autotp_partitioning`,
+    for Llama-3.2 and every other tied model), and the model then returns each rank's V/tp slice of the
+    logits, which eval, exact match and the export check read as whole. The tied pair stays replicated."""
+    if block.get("vocab_parallel_lm_head") is True:
+        raise ConfigError(
+            "tensor_parallel.vocab_parallel_lm_head = true: the model would return each rank's slice of the "
+            "vocabulary's logits, and train.py's eval, exact match and export check read whole logits; remove it"
+        )
+    if block.get("vocab_parallel_lm_head") is None:  # absent or null: DeepSpeed's automatic choice
+        block["vocab_parallel_lm_head"] = False
+
+
 def zero_init_config(ds: dict, mesh: Mesh) -> dict:
     """The DeepSpeed dict transformers hands to `zero.Init` while it builds the model. transformers passes no
     mpu there, so DeepSpeed checks the batch against the whole world (micro x accumulation x world) and

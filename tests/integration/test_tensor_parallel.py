@@ -102,10 +102,13 @@ def assert_whole_weights(model_dir):
     assert got == {k: want[k] for k in got} and "model.layers.0.mlp.down_proj.weight" in got
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # the other families of recipes/ with a TP plan
+# the other families of recipes/ with a TP plan, and Llama with a tied embedding/head (Llama-3.2)
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-tied"])
 def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 4096}
     shape |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+    if family == "llama-tied":
+        family, shape = "llama", {**shape, "tie_word_embeddings": True}
     model = ["--model_config", json.dumps({"model_type": family, **shape})]
     base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0").check()
     run = launch(

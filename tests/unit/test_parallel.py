@@ -52,6 +52,14 @@ def test_auto_batch_counts_data_parallel_replicas_not_ranks():
     assert resolved(8, "ds_configs/zero1.json", per_device_train_batch_size=4)["train_batch_size"] == 32
 
 
+def test_tp_keeps_the_logits_whole_unless_told_otherwise():
+    ds = resolved(2, "ds_configs/zero1.json", "ds_configs/tp2.json")
+    assert ds["tensor_parallel"]["vocab_parallel_lm_head"] is False  # a tied head would return V/tp slices
+    with pytest.raises(ConfigError, match="vocab_parallel_lm_head = true"):
+        parallel.gather_logits({"autotp_size": 2, "vocab_parallel_lm_head": True})
+    assert "tensor_parallel" not in resolved(2, "ds_configs/zero1.json")
+
+
 def test_a_world_size_the_tp_size_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"3 rank\(s\) cannot split into tensor-parallel groups of 2"):
         resolved(3, "ds_configs/zero1.json", "ds_configs/tp2.json")
