@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zero_recipes import distributed, shipped
+from zero_recipes.bench.common import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
 
 REPO = Path(__file__).resolve().parent.parent
 INJECT = REPO / "tests" / "inject"  # sitecustomize.py for the processes tests launch (conftest puts it on PYTHONPATH)
@@ -173,26 +174,3 @@ def one_error_line(proc) -> str:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ")
     return lines[0]
-
-
-def fwd_bwd_peak_bytes(model, config, micro: int, seq: int) -> int:
-    """Peak live bytes of one real forward+backward of `model` on random tokens, from the CPU allocator's
-    profiler events; each trainable parameter's grad is dropped as it is made, as DeepSpeed moves it into its
-    own buffers (the memory estimate counts those with the model states)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from zero_recipes.bench.common import allocator_events
-
-    model.train()
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    ids = torch.randint(0, config.vocab_size, (micro, seq))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    live = peak = 0
-    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
-        live += nbytes
-        peak = max(peak, live)
-    return peak

@@ -19,8 +19,8 @@ from zero_recipes.memory.states import Setup, phases
 from zero_recipes.model import meta_model
 
 # One rank of an AutoTP group, built by real DeepSpeed: its parameter count and shapes, and optionally the peak
-# live bytes of one forward/backward of the split model (grads dropped as made, as the estimate counts them with
-# the states), from the CPU allocator's profiler events.
+# live bytes of one forward/backward of the split model, measured by the estimate tests' one function
+# (zero_recipes.bench.common.fwd_bwd_peak_bytes: grads dropped as made, allocator events).
 AUTOTP_RANK = r"""
 import json, os, sys
 import torch, torch.distributed as tdist
@@ -32,7 +32,7 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(spec["world"]), LOCAL
 import deepspeed
 from deepspeed.utils import groups
 from transformers import AutoConfig, AutoModelForCausalLM
-from zero_recipes.bench.common import allocator_events
+from zero_recipes.bench.common import fwd_bwd_peak_bytes
 
 deepspeed.init_distributed(dist_backend="fake")
 groups._init_tp_mesh_device(tensor_model_parallel_size=spec["tp"])
@@ -47,18 +47,7 @@ out = {"params": sum(p.numel() for p in {id(p): p for p in module.parameters()}.
        "shapes": {n: list(p.shape) for n, p in module.named_parameters()}}
 if spec.get("micro"):
     engine.first_dataloader_check.remove()  # its object broadcast means nothing on a fake group
-    module.train()
-    for p in module.parameters():
-        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["micro"], spec["seq"]))
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        module(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    live = peak = 0
-    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
-        live += nbytes
-        peak = max(peak, live)
-    out["fwd_bwd_peak"] = peak
+    out["fwd_bwd_peak"] = fwd_bwd_peak_bytes(module, module.config, spec["micro"], spec["seq"])
 print("AUTOTP " + json.dumps(out))
 """
 

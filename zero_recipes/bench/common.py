@@ -131,3 +131,27 @@ def allocator_events(events) -> tuple[list, list]:
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
     )
     return marks, mem
+
+
+def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
+    """Peak live bytes of one real forward+backward of `model` on random tokens, from the CPU allocator's
+    profiler events; each trainable parameter's grad is dropped as it is made, as DeepSpeed moves it into its
+    own buffers (the memory estimate counts those with the model states). `forward(model, ids)` returns the
+    loss (default: the model's own, with labels). The estimate tests and their child processes (a real AutoTP
+    rank, tests/unit/test_memory_tp.py) measure with this one function."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
+    forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        forward(model, ids).backward()
+    live = peak = 0
+    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
