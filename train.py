@@ -35,6 +35,7 @@ from zero_recipes import (
     data,
     distributed,
     ds_checks,
+    lm_loss,
     loop,
     lora,
     memory,
@@ -42,6 +43,7 @@ from zero_recipes import (
     model as modeling,
     parallel,
     resume as resuming,
+    sequence_parallel,
 )
 from zero_recipes.config import ConfigError, help_text
 from zero_recipes.engine import make_engine
@@ -85,9 +87,15 @@ def main(argv: list[str]) -> int:
         log(f"config: {note}")
     mesh = plan.mesh
     log(f"distributed: {mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
+    if mesh.sp > 1:  # Ulysses goes into transformers' attention table before the model is built
+        sequence_parallel.register_ulysses(cfg, plan.model_config, mesh)
+        log(
+            f"sequence parallelism: each rank trains {cfg.block_size // mesh.sp} of every {cfg.block_size} tokens; "
+            f"attention all-to-alls to whole sequences with 1/{mesh.sp} of the heads (DeepSpeed Ulysses)"
+        )
 
     # rank 0 builds the tokenizer and data caches while the others wait, then everyone reads them. The rows
-    # are sharded by data-parallel rank: the ranks of a tensor-parallel group train on the same batch.
+    # are sharded by data-parallel rank: the ranks of a tensor- or sequence-parallel group train on the same batch.
     tokenizer = distributed.rank0_first(rank, lambda: data.load_tokenizer(cfg))
     dp_rank, dp = mesh.dp_rank(rank), mesh.dp
     if cfg.streaming:
@@ -122,7 +130,7 @@ def main(argv: list[str]) -> int:
     checkpointer = checkpoint.Checkpointer(
         plan.output_dir, rank, cfg.save_total_limit, hf_files_writer(engine, tokenizer)
     )
-    run = loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log, mesh.dp_group())
+    run = loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log, mesh.count_group())
     outcome = loop.fit(run, step)
     if not outcome.finished:
         log_file.close()
@@ -176,6 +184,7 @@ def build_model(plan: RunPlan, rank: int, log):
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
     model = modeling.build_model(cfg, model_config, load_dtype, rank)
     n_params = modeling.num_params(model)
+    install_long_context(model, plan, log)
     if lora.enabled(cfg):
         model = lora.wrap(model, cfg)
         trainable, total = lora.trainable_count(model)
@@ -193,6 +202,21 @@ def build_model(plan: RunPlan, rank: int, log):
         f"{plan.zero_stage}, {plan.precision}, attention {cfg.attn_implementation}"
     )
     return model
+
+
+def install_long_context(model, plan: RunPlan, log) -> None:
+    """train.py's own loss (tiled over the sequence; always under SP) and the tiled MLP, where they apply."""
+    cfg, model_config, zero3 = plan.cfg, plan.model_config, plan.zero_stage == 3
+    if lm_loss.applies(cfg, model_config, plan.mesh.sp):
+        tokens = lm_loss.tile_tokens(cfg, model_config)
+        lm_loss.install(model, tokens, cfg.tiled_loss, zero3)
+        if cfg.tiled_loss:
+            log(f"loss: head and cross-entropy in tiles of {tokens} tokens; the whole logits are never held")
+    elif cfg.tiled_loss and not lm_loss.knows_head(model_config):
+        log(f"loss: transformers' own (untiled): train.py does not know the output head of {model_config.model_type}")
+    if cfg.tiled_mlp:
+        n = lm_loss.install_tiled_mlp(model, zero3)
+        log(f"mlp: {n} decoder MLPs run in tiles of {model_config.get_text_config().hidden_size} tokens (TiledMLP)")
 
 
 def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
@@ -247,11 +271,13 @@ def dry_run(plan: RunPlan, log) -> int:
         f"{plan.global_batch} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )
-    if plan.mesh.tp > 1:
+    if plan.mesh.group > 1:
         local = distributed.rank_info()[3]
         nodes = local if plan.world > local > 1 else None
+        axis = "tensor" if plan.mesh.tp > 1 else "sequence"
         log(
-            f"mesh (global ranks: a row per data-parallel replica, a column per tensor-parallel index):\n{parallel.picture(plan.mesh, nodes)}"
+            f"mesh (global ranks: a row per data-parallel replica, a column per {axis}-parallel index):\n"
+            f"{parallel.picture(plan.mesh, nodes)}"
         )
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0

@@ -189,7 +189,8 @@ REFUSED = {
         },
         "ZeRO++ (zero_quantized_gradients, zero_hpz_partition_size) works only with ZeRO-3",
     ),
-    # LLaMA-Factory ds_z3_alst_config.json: its own "sequence_parallel" block
+    # LLaMA-Factory ds_z3_alst_config.json: its own "sequence_parallel" block, read as DeepSpeed's
+    # sequence_parallel_size 4, which 2 ranks cannot hold
     "llamafactory-alst": (
         {
             **BATCH_AUTO,
@@ -197,7 +198,7 @@ REFUSED = {
             "sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"},
             "bf16": {"enabled": True},
         },
-        '"sequence_parallel" is LLaMA-Factory\'s block',
+        "2 rank(s) cannot split into sequence-parallel groups of 4",
     ),
     # bf16 block carrying fp16's loss-scaling keys (as LLaMA-Factory's ALST example does): not bf16 fields
     "bf16-with-fp16-keys": (

@@ -187,7 +187,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP size and ZeRO stage that saved it
+LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP and SP sizes and ZeRO stage that saved it
 UNIVERSAL_SUFFIX = "-universal"
 HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
 
@@ -219,8 +219,11 @@ def save(
     # every rank's files exist, and atomically.
     if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
         (d / tag).mkdir(parents=True, exist_ok=True)
-        layout = {"world": engine.dp_world_size, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
-        (d / tag / LAYOUT).write_text(json.dumps({**layout, "tensor_parallel": max(1, engine.autotp_size())}))
+        sp = max(1, getattr(engine, "sequence_parallel_size", 1))  # under SP, dp_world_size is None (0.19.8)
+        dp = engine.dp_world_size if sp == 1 else engine.seq_dp_world_size // sp
+        layout = {"world": dp, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
+        parallel = {"tensor_parallel": max(1, engine.autotp_size()), "sequence_parallel": sp}
+        (d / tag / LAYOUT).write_text(json.dumps({**layout, **parallel}))
     # A LoRA run's frozen base is the pretrained model: not saved again (its adapter config names it)
     engine.save_checkpoint(
         str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)

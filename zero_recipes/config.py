@@ -53,6 +53,15 @@ class TrainConfig:
     """`sdpa`, `flash_attention_2` or `eager`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about 30 % more compute."""
+    tiled_loss: bool = True
+    """Compute the output head and the loss over tiles of the sequence (DeepSpeed's sequence_tiled_compute),
+    so the logits of a whole micro-batch never exist at once; engages only when a micro-batch has more
+    tokens than one tile. Equal to the untiled loss up to summation order (tested within 1e-6 in fp32)."""
+    loss_tile_tokens: int = 0
+    """Tokens per loss tile. 0: as many as keep one tile's fp32 logits under 256 MiB (512 at a 128k vocabulary)."""
+    tiled_mlp: bool = False
+    """Run each decoder layer's MLP in tiles of hidden_size tokens (DeepSpeed's TiledMLP), recomputed in
+    backward: for long sequences, where the MLP's intermediate activations dominate; costs one more MLP forward."""
     torch_compile: bool = False
     """Compile the model with torch.compile through DeepSpeed's `engine.compile()` (inductor). The first step
     pays the compile (~30 s for the tiny model on 2 CPU cores, cached afterwards); losses match eager."""
@@ -195,6 +204,9 @@ class TrainConfig:
 # output_dir is among them so that a run directory can be moved or copied and still resume.
 RUN_CONTROL_FIELDS = {
     "output_dir",
+    "tiled_loss",  # memory knobs: the same run, summed in another order (resuming with them after an OOM is fine)
+    "loss_tile_tokens",
+    "tiled_mlp",
     "resume_from_checkpoint",
     "overwrite_output_dir",
     "dry_run",
@@ -399,6 +411,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
     if cfg.min_document_tokens < 0:
         raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
+    if cfg.loss_tile_tokens < 0:
+        raise ConfigError(f"--loss_tile_tokens must be >= 0 (0: sized automatically), got {cfg.loss_tile_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
         raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
     from .lora import validate_options

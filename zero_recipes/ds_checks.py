@@ -48,24 +48,8 @@ def refuse_ignored(ds: dict) -> list[str]:
             f"ZeRO++ ({', '.join(zeropp)}) works only with ZeRO-3; at ZeRO-{stage} DeepSpeed ignores it. "
             "Remove those keys or use ds_configs/zero3.json"
         )
-    _refuse_unsupported_parallelism(ds)
     _refuse_unknown_optimizer(ds)
     return _unknown_top_level(ds) + _ignored_knobs(z, stage) + _ignored_blocks(ds)
-
-
-def _refuse_unsupported_parallelism(ds: dict) -> None:
-    sp = ds.get("sequence_parallel_size", 1) or 1
-    if int(sp) > 1:
-        raise ConfigError(
-            f"sequence_parallel_size = {sp}: Ulysses sequence parallelism is not supported by train.py yet; "
-            "remove sequence_parallel_size or set it to 1"
-        )
-    lf = ds.get("sequence_parallel")
-    if isinstance(lf, dict) and lf.get("enabled"):  # LLaMA-Factory's own block; DeepSpeed never reads it
-        raise ConfigError(
-            '"sequence_parallel" is LLaMA-Factory\'s block (its own code reads it, DeepSpeed does not) and '
-            "train.py has no sequence parallelism yet; remove the block"
-        )
 
 
 def _refuse_unknown_optimizer(ds: dict) -> None:

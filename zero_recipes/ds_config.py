@@ -127,7 +127,8 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     r = Resolver(cfg, explicit)
     r.notes += renamed
     _resolve_precision(ds, r)
-    mesh = parallel.Mesh(world_size, parallel.tensor_parallel_size(ds))
+    r.notes += parallel.adopt_llamafactory_sequence_parallel(ds)
+    mesh = parallel.Mesh.of(world_size, ds)
     parallel.check_mesh(mesh)
     if mesh.tp > 1:
         parallel.gather_logits(ds["tensor_parallel"])

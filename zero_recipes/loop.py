@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from . import data, metrics
+from . import data, metrics, sequence_parallel
 from .checkpoint import Checkpointer
 from .distributed import StopRequest
 from .plan import RunPlan
@@ -35,9 +35,9 @@ class Loop:
     stop: StopRequest
     rank: int
     log: Callable[..., None]
-    dp_group: object = None
-    """The data-parallel peers' process group (None: the world), over which batches are counted once:
-    with tensor parallelism the ranks of a TP group train on the same rows (parallel.Mesh.dp_group)."""
+    count_group: object = None
+    """The process group over which label-token counts add up to the global batch's (None: the world):
+    with tensor parallelism one rank per TP group, since its ranks share rows (parallel.Mesh.count_group)."""
 
 
 @dataclass(frozen=True)
@@ -78,21 +78,24 @@ def train_step(
     step: int,
     count_label_tokens: bool,
     measure_grad_norm: bool,
-    dp_group=None,
+    grad_divisor: int,
+    count_group=None,
 ):
     """One optimizer step over its micro-batches. Returns the grad norm when asked to measure it (ZeRO-0 in
-    fp32 runs without the DeepSpeed optimizer wrapper that records it), else None."""
-    dp, accumulation = torch.distributed.get_world_size(dp_group), len(micro_batches)
+    fp32 runs without the DeepSpeed optimizer wrapper that records it), else None. `grad_divisor`: what
+    DeepSpeed divides the sum of all ranks' gradients by (parallel.Mesh.gradient_divisor)."""
+    accumulation = len(micro_batches)
     # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
     extra = {"use_cache": False}
     if count_label_tokens:
         # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its
         # micro-batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
-        # Counted over the data-parallel replicas: a tensor-parallel group shares its rows.
-        n_items = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).float()
-        torch.distributed.all_reduce(n_items, group=dp_group)
-        # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; undo both here
-        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * dp)
+        # Counted once per token: over one rank per tensor-parallel group (it shares its rows), over every
+        # rank of a sequence-parallel group (each holds its slice, targets pre-shifted).
+        n_items = sum(label_tokens(b) for b in micro_batches).float()
+        torch.distributed.all_reduce(n_items, group=count_group)
+        # DeepSpeed divides by the accumulation steps and by grad_divisor; undo both here
+        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * grad_divisor)
     grad_norm = None
     for micro, batch in enumerate(micro_batches):
         loss = engine(**batch, **extra).loss
@@ -105,6 +108,14 @@ def train_step(
         window.add_loss(loss)
         guard.observe(loss, step)
     return grad_norm
+
+
+def label_tokens(batch: dict):
+    """Trained tokens in a batch: targets that are not -100 (a sequence-parallel slice carries its targets
+    pre-shifted in `shift_labels`)."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != -100).sum()
+    return (batch["labels"][:, 1:] != -100).sum()
 
 
 def fit(loop: Loop, step: int) -> Outcome:
@@ -131,9 +142,10 @@ def fit(loop: Loop, step: int) -> Outcome:
             window,
             guard,
             step + 1,
-            loop.prepared.sft,
+            loop.prepared.sft or loop.plan.mesh.sp > 1,  # SP: per-slice means would weight slices unequally
             measure_grad_norm and logging_step,
-            loop.dp_group,
+            loop.plan.mesh.gradient_divisor(loop.plan.zero_stage),
+            loop.count_group,
         )
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
@@ -178,10 +190,13 @@ def fit(loop: Loop, step: int) -> Outcome:
 def next_micro_batches(loop: Loop) -> tuple[list[dict], float]:
     """One optimizer step's micro-batches on the device, and the seconds spent waiting for them."""
     t = time.perf_counter()
-    micro_batches = [
-        {k: v.to(loop.engine.device, non_blocking=True) for k, v in loop.order.next_batch().items()}
-        for _ in range(loop.plan.cfg.gradient_accumulation_steps)
-    ]
+    mesh = loop.plan.mesh
+    micro_batches = []
+    for _ in range(loop.plan.cfg.gradient_accumulation_steps):
+        batch = loop.order.next_batch()
+        if mesh.sp > 1:  # this rank's slice of each row: the SP group's ranks hold the same rows
+            batch = sequence_parallel.shard(batch, mesh.sp_rank(loop.rank), mesh.sp)
+        micro_batches.append({k: v.to(loop.engine.device, non_blocking=True) for k, v in batch.items()})
     return micro_batches, time.perf_counter() - t
 
 
@@ -212,7 +227,14 @@ def open_window(loop: Loop) -> metrics.LogWindow:
     )
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     return metrics.LogWindow(
-        loop.engine.device, tokens_per_step_rank, cfg.gradient_accumulation_steps, flops_per_token, peak, plan.mesh.tp
+        loop.engine.device,
+        tokens_per_step_rank,
+        cfg.gradient_accumulation_steps,
+        flops_per_token,
+        peak,
+        group=plan.mesh.group,
+        # under SP a rank's loss is its slice's share of the replica's, scaled by gradient_divisor / dp
+        loss_shares=plan.mesh.sp * plan.mesh.dp // plan.mesh.gradient_divisor(plan.zero_stage),
     )
 
 
@@ -240,25 +262,25 @@ def log_record(
 
 
 def run_eval(loop: Loop, step: int) -> None:
-    mesh = loop.plan.mesh
-    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, mesh.dp_rank(loop.rank), mesh.dp, loop.dp_group)
+    shard, shards = loop.plan.mesh.eval_shard(loop.rank)
+    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, shard, shards, loop.count_group)
     if ev:
         loop.log_file.write({"step": step, **ev})
         loop.log(f"eval: step {step} {format_eval(ev)}")
 
 
-def evaluate(engine, prepared, cfg, dp_rank: int, dp: int, dp_group=None) -> dict:
+def evaluate(engine, prepared, cfg, shard: int, shards: int, count_group=None) -> dict:
     """Token-weighted eval loss over the label tokens, and for SFT the exact-match accuracy: the share
     of eval examples whose every answer token is the model's argmax. Teacher-forced argmax on every
     answer token is exactly what greedy decoding would produce, so this is greedy exact match at the
     cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs). The rows are sharded
-    by data-parallel rank and summed over the data-parallel group, so a tensor-parallel group counts once."""
+    `shards` ways (parallel.Mesh.eval_shard) and summed over `count_group`, so each row counts once."""
     engine.eval()
     device = engine.device
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
     with torch.no_grad():
         for batch, weight in data.eval_batches(
-            prepared.eval, cfg.per_device_eval_batch_size, dp_rank, dp, cfg.max_eval_batches, prepared.pad_id
+            prepared.eval, cfg.per_device_eval_batch_size, shard, shards, cfg.max_eval_batches, prepared.pad_id
         ):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
             target = batch.pop("labels")[:, 1:]
@@ -274,7 +296,7 @@ def evaluate(engine, prepared, cfg, dp_rank: int, dp: int, dp_group=None) -> dic
                 right = ((logits.argmax(-1) == target) | ~valid).all(dim=1) & has_answer
                 total[2] += (right * weight).sum()
                 total[3] += (has_answer * weight).sum()
-    torch.distributed.all_reduce(total, group=dp_group)
+    torch.distributed.all_reduce(total, group=count_group)
     if total[1].item() == 0:
         return {}
     loss = (total[0] / total[1]).item()

@@ -153,14 +153,17 @@ class LogWindow:
         losses_per_step: int,
         flops_per_token: float,
         peak_flops: float,
-        tensor_parallel: int = 1,
+        group: int = 1,
+        loss_shares: int = 1,
     ):
         import torch
 
         self.loss_sum = torch.zeros((), device=device)
         self.tokens_per_step_rank, self.losses_per_step = tokens_per_step_rank, losses_per_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.tp = tensor_parallel  # the ranks of a TP group train on the same tokens: count them once
+        # `tokens_per_step_rank` counts a data-parallel replica's rows; `group` ranks train them together (a TP
+        # or SP group): count them once. Under SP each rank's loss is its slice's share (`loss_shares` = SP size).
+        self.group, self.loss_shares = group, loss_shares
         self._restart()
 
     def _restart(self) -> None:
@@ -188,9 +191,9 @@ class LogWindow:
 
         dist.all_reduce(self.loss_sum)  # a TP group's ranks hold the same loss: the mean over all is theirs
         world = dist.get_world_size()
-        loss = self.loss_sum.item() / (self.steps * self.losses_per_step * world)
+        loss = self.loss_sum.item() * self.loss_shares / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
-        tps = self.tokens_per_step_rank * self.steps / elapsed / self.tp  # each device's share of its group's
+        tps = self.tokens_per_step_rank * self.steps / elapsed / self.group  # each device's share of its group's
         out = {
             "loss": loss,
             "tokens_per_sec": tps * world,

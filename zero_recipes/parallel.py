@@ -1,6 +1,8 @@
-"""The parallel mesh: how a launch's ranks split into data-parallel replicas and tensor-parallel groups.
+"""The parallel mesh: how a launch's ranks split into data-parallel replicas and tensor-parallel or
+sequence-parallel groups.
 
     world = data-parallel x tensor-parallel        rank = dp_rank * tp + tp_rank
+    world = data-parallel x sequence-parallel      rank = dp_rank * sp + sp_rank
 
 Tensor parallelism is DeepSpeed's AutoTP (`"tensor_parallel": {"autotp_size": N}`): each linear layer of a
 transformer block is split across the N ranks of a group along the model's own TP plan, and ZeRO shards
@@ -10,6 +12,11 @@ one node when N divides the GPUs per node, which is where TP's all-reduces belon
 
 Every rank of a TP group must feed the same batch (DeepSpeed checks the first one: "Data inconsistency
 within the TP group"), so the data order, eval and every count are sharded by data-parallel rank.
+
+Sequence parallelism is DeepSpeed's Ulysses (ALST, `"sequence_parallel_size": N`; sequence_parallel.py):
+the N ranks of a group (consecutive, as DeepSpeed's parallel_state_sp lays them out) take the same rows and
+each trains a 1/N slice of every sequence; attention all-to-alls to whole sequences with 1/N of the heads.
+ZeRO shards over all ranks and DeepSpeed sums gradients over the SP group. TP and SP do not combine here.
 """
 
 from __future__ import annotations
@@ -26,35 +33,86 @@ def tensor_parallel_size(ds: dict) -> int:
     return max(1, int(block.get("autotp_size", 0) or 0)) if isinstance(block, dict) else 1
 
 
+def sequence_parallel_size(ds: dict) -> int:
+    """The Ulysses degree a DeepSpeed dict asks for (1: none)."""
+    return max(1, int(ds.get("sequence_parallel_size", 1) or 1))
+
+
+def adopt_llamafactory_sequence_parallel(ds: dict) -> tuple[str, ...]:
+    """LLaMA-Factory's `"sequence_parallel": {"enabled", "size", "mode"}` block (its own code reads it,
+    DeepSpeed does not) becomes DeepSpeed's `sequence_parallel_size`, so its ALST configs run unchanged."""
+    block = ds.get("sequence_parallel")
+    if not isinstance(block, dict):
+        return ()
+    ds.pop("sequence_parallel")
+    if not block.get("enabled"):
+        return ('dropped LLaMA-Factory\'s disabled "sequence_parallel" block',)
+    mode, size = str(block.get("mode", "ulysses")).lower(), block.get("size")
+    if mode != "ulysses" or not isinstance(size, int) or size < 1:
+        raise ConfigError(
+            f'"sequence_parallel" (LLaMA-Factory\'s block) asks for mode {mode!r}, size {size!r}: train.py runs '
+            'DeepSpeed\'s Ulysses only; replace the block with "sequence_parallel_size": N'
+        )
+    if ds.get("sequence_parallel_size", size) != size:
+        raise ConfigError(
+            f'"sequence_parallel" says size {size} but sequence_parallel_size is {ds["sequence_parallel_size"]}; '
+            "keep one of them"
+        )
+    ds["sequence_parallel_size"] = size
+    return (f'LLaMA-Factory\'s "sequence_parallel" block read as DeepSpeed\'s "sequence_parallel_size": {size}',)
+
+
 @dataclass(frozen=True)
 class Mesh:
     world: int
     tp: int = 1
+    sp: int = 1
+
+    @classmethod
+    def of(cls, world: int, ds: dict) -> "Mesh":
+        """The mesh a DeepSpeed dict asks for on `world` ranks."""
+        return cls(world, tensor_parallel_size(ds), sequence_parallel_size(ds))
+
+    @property
+    def group(self) -> int:
+        """Ranks that train the same rows together: a TP group, an SP group, or 1."""
+        return self.tp * self.sp
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas: the ranks that see different batches."""
-        return self.world // self.tp
+        """Data-parallel replicas: the groups of ranks that see different batches."""
+        return self.world // self.group
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(dp_rank, tp_rank) of a global rank."""
-        return divmod(rank, self.tp)
+        """(dp_rank, index within the TP or SP group) of a global rank."""
+        return divmod(rank, self.group)
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // self.group
+
+    def sp_rank(self, rank: int) -> int:
+        """Which slice of each sequence this rank trains (0 without SP)."""
+        return rank % self.sp
 
     def describe(self) -> str:
         """The launch line: `8 ranks = 4 data-parallel x 2 tensor-parallel`."""
         ranks = f"{self.world} rank{'s' if self.world != 1 else ''}"
-        if self.tp == 1:
-            return f"{ranks} = {self.dp} data-parallel"
-        return f"{ranks} = {self.dp} data-parallel x {self.tp} tensor-parallel"
+        if self.tp > 1:
+            return f"{ranks} = {self.dp} data-parallel x {self.tp} tensor-parallel"
+        if self.sp > 1:
+            return f"{ranks} = {self.dp} data-parallel x {self.sp} sequence-parallel"
+        return f"{ranks} = {self.dp} data-parallel"
 
     def deepspeed_mpu(self):
-        """What `deepspeed.initialize(mpu=...)` takes: DeepSpeed's own groups module with its (data, tensor)
-        mesh created, or None without TP. Passed so DeepSpeed's batch check counts data-parallel ranks, not
-        the world (DeepSpeedConfig asks the mpu; without one it takes the world and rejects micro x gas x dp).
-        Collective the first time; the engine then finds the mesh made and reuses it."""
+        """What `deepspeed.initialize(mpu=...)` takes, or None without TP or SP. TP: DeepSpeed's own groups
+        module with its (data, tensor) mesh created, passed so DeepSpeed's batch check counts data-parallel
+        ranks, not the world (DeepSpeedConfig asks the mpu; without one it takes the world and rejects micro x
+        gas x dp); collective the first time, the engine then finds the mesh made and reuses it. SP: the
+        groups that sequence_parallel.register_ulysses created (sequence_parallel.deepspeed_mpu)."""
+        if self.sp > 1:
+            from .sequence_parallel import deepspeed_mpu
+
+            return deepspeed_mpu()
         if self.tp == 1:
             return None
         from deepspeed.utils import groups
@@ -62,30 +120,60 @@ class Mesh:
         groups._init_tp_mesh_device(tensor_model_parallel_size=self.tp)
         return groups
 
-    def dp_group(self):
-        """The process group of this rank's data-parallel peers (one rank of each TP group): sums over it
-        count each batch once. None (the whole world) without TP."""
-        mpu = self.deepspeed_mpu()
-        return None if mpu is None else mpu.get_data_parallel_group()
+    def eval_shard(self, rank: int) -> tuple[int, int]:
+        """(this rank's share, shares) of the eval rows. Under SP, eval runs whole rows without SP (see
+        sequence_parallel.py), so every rank takes its own; under TP a TP group evaluates the same rows."""
+        if self.sp > 1:
+            return rank, self.world
+        return self.dp_rank(rank), self.dp
+
+    def gradient_divisor(self, zero_stage: int) -> int:
+        """What DeepSpeed divides the sum of all ranks' gradients by. ZeRO-1/2 sum over a sequence-parallel
+        group and average over the data-parallel replicas; ZeRO-3's reduce-scatter (its default path) averages
+        over every rank, SP or not (stage3.py `__avg_scatter_grads`: measured, SP=2 gave half the gradient).
+        Each rank's loss is scaled by this, so the step's gradient is the global batch's mean either way."""
+        return self.world if (self.sp > 1 and zero_stage == 3) else self.dp
+
+    def count_group(self):
+        """The process group over which per-rank token counts add up to the global batch's, each token once:
+        under TP one rank per TP group (its ranks share rows); under SP every rank (each holds its own slice
+        of the rows); else the world. None means the world."""
+        if self.tp == 1:
+            return None
+        return self.deepspeed_mpu().get_data_parallel_group()
 
 
 def picture(mesh: Mesh, gpus_per_node: Optional[int] = None) -> str:
     """The mesh as a grid of global ranks: a row per data-parallel replica (dp), a column per
-    tensor-parallel index (tp), and the node each row sits on when the GPUs per node are given. TP's
-    per-layer all-reduces run along a row; ZeRO's gradient and parameter collectives run down a column."""
+    tensor-parallel (tp) or sequence-parallel (sp) index, and the node each row sits on when the GPUs per
+    node are given. TP's per-layer all-reduces and SP's all-to-alls run along a row; ZeRO's gradient and
+    parameter collectives run down a column (under SP, across every rank)."""
     width = max(4, len(str(mesh.world - 1)) + 1)
     node_col = gpus_per_node is not None
+    axis, n = ("sp", mesh.sp) if mesh.sp > 1 else ("tp", mesh.tp)
     head = (
-        ("        " if node_col else "") + "      " + "".join(f"{'tp ' + str(t):>{width + 2}}" for t in range(mesh.tp))
+        ("        " if node_col else "") + "      " + "".join(f"{axis + ' ' + str(t):>{width + 2}}" for t in range(n))
     )
     rows = [head.rstrip()]
     for d in range(mesh.dp):
-        node = f"node {d * mesh.tp // gpus_per_node:<3}" if node_col else ""
-        rows.append(f"{node}dp {d:<3}" + "".join(f"{d * mesh.tp + t:>{width + 2}}" for t in range(mesh.tp)))
+        node = f"node {d * n // gpus_per_node:<3}" if node_col else ""
+        rows.append(f"{node}dp {d:<3}" + "".join(f"{d * n + t:>{width + 2}}" for t in range(n)))
     return "\n".join(rows)
 
 
 def check_mesh(mesh: Mesh) -> None:
+    if mesh.tp > 1 and mesh.sp > 1:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size = {mesh.tp} with sequence_parallel_size = {mesh.sp}: train.py does not "
+            "combine AutoTP with Ulysses; use one of them (sequence parallelism for long sequences, tensor "
+            "parallelism for a model too big for ZeRO-3's gathered layers)"
+        )
+    if mesh.world % mesh.sp:
+        raise ConfigError(
+            f"{mesh.world} rank(s) cannot split into sequence-parallel groups of {mesh.sp}: the world size must be "
+            f"a multiple of sequence_parallel_size; launch {max(mesh.sp, mesh.world - mesh.world % mesh.sp)} "
+            "ranks or pick a sequence_parallel_size that divides the world size"
+        )
     if mesh.world % mesh.tp:
         raise ConfigError(
             f"{mesh.world} rank(s) cannot split into tensor-parallel groups of {mesh.tp}: the world size must be a "

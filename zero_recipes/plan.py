@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed, ds_config, model as modeling, parallel
+from . import distributed, ds_config, lm_loss, model as modeling, parallel, sequence_parallel
 from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig, parse_args, parse_inline_or_file, parse_model_config
 
 
@@ -46,18 +46,20 @@ class RunPlan:
         raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
         model_config = modeling.load_model_config(cfg)
         world, notes = distributed.rank_info()[2], ()
-        tp = parallel.tensor_parallel_size(raw)
-        if cfg.dry_run and world == 1 and tp > 1:  # `python train.py --dry_run` on a login node, no launcher
-            world = tp
+        group = parallel.Mesh.of(1, raw)
+        if cfg.dry_run and world == 1 and group.group > 1:  # `python train.py --dry_run` on a login node
+            world = group.group
+            kind = "tensor-parallel" if group.tp > 1 else "sequence-parallel"
             notes = (
-                f"dry run without a launcher: planned for {tp} ranks (one tensor-parallel group); set WORLD_SIZE "
+                f"dry run without a launcher: planned for {world} ranks (one {kind} group); set WORLD_SIZE "
                 "(and LOCAL_WORLD_SIZE, the GPUs per node) to plan the real mesh",
             )
         resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
         cfg = resolved.cfg
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
-        mesh = parallel.Mesh(world, parallel.tensor_parallel_size(resolved.ds))
+        mesh = parallel.Mesh.of(world, resolved.ds)
         notes += resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
+        notes += sequence_parallel.check(mesh, model_config, resolved.ds, cfg, lm_loss.knows_head(model_config))
         return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
     def complete(self, total_steps: int, tokenizer=None) -> RunPlan:

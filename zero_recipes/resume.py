@@ -32,7 +32,8 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
             f"autotp_size {saved_tp}, or export it (tools/export_hf.py) and start from the export with "
             "--model_name_or_path"
         )
-    if saved["world"] == mesh.dp and saved["zero_stage"] == stage:
+    saved_sp = saved.get("sequence_parallel", 1)
+    if saved["world"] == mesh.dp and saved_sp == mesh.sp and saved["zero_stage"] == stage:
         return None
     if saved_tp > 1 and 3 in (saved["zero_stage"], stage):
         raise ConfigError(
@@ -54,10 +55,12 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
 
 def ranks(layout: dict) -> str:
     """A saved layout's ranks in words: "2 rank(s)", or "2 data-parallel x 2 tensor-parallel rank(s)"."""
-    tp = layout.get("tensor_parallel", 1)
-    return (
-        f"{layout['world']} rank(s)" if tp == 1 else f"{layout['world']} data-parallel x {tp} tensor-parallel rank(s)"
-    )
+    tp, sp = layout.get("tensor_parallel", 1), layout.get("sequence_parallel", 1)
+    if tp > 1:
+        return f"{layout['world']} data-parallel x {tp} tensor-parallel rank(s)"
+    if sp > 1:
+        return f"{layout['world']} data-parallel x {sp} sequence-parallel rank(s)"
+    return f"{layout['world']} rank(s)"
 
 
 def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
@@ -200,7 +203,7 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     saved = layout_change(where, plan.mesh, plan.zero_stage)
     if saved is None:
         return ResumePlan(where, where)
-    now = {"world": plan.mesh.dp, "tensor_parallel": plan.mesh.tp}
+    now = {"world": plan.mesh.dp, "tensor_parallel": plan.mesh.tp, "sequence_parallel": plan.mesh.sp}
     log(
         f"resume: {where[1]} was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}, this run has "
         f"{ranks(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "

@@ -131,7 +131,6 @@ ZERO = {"train_micro_batch_size_per_gpu": 1}
         ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer needs ZeRO-1"),
         ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "ZeRO++ (zero_quantized_weights)"),
         ({"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 8}}, "ZeRO++ (zero_hpz_partition_size)"),
-        ({"sequence_parallel_size": 4}, "Ulysses sequence parallelism is not supported"),
         ({"optimizer": {"type": "ZeroOneAdam"}}, "0/1 Adam was removed"),
         ({"optimizer": {"type": "FancyAdam"}}, "neither a DeepSpeed optimizer"),
         ({"zero_optimisation": {"stage": 3}}, "did you mean 'zero_optimization'"),

@@ -47,22 +47,25 @@ def test_guard_reports_the_first_non_finite_step_only():
     assert guard.check() == 3
 
 
-def test_a_tensor_parallel_group_counts_its_tokens_once(monkeypatch):
-    """2 steps of 1000 tokens per rank in 4 s: alone, a rank trained 500 tokens/s; in a TP group of 2 the
-    group trained them together, so each device did half of that, and MFU is taken on the half."""
+def test_a_tensor_or_sequence_parallel_group_counts_its_tokens_once(monkeypatch):
+    """2 steps of 1000 tokens per rank in 4 s: alone, a rank trained 500 tokens/s; in a TP or SP group of 2
+    the group trained them together, so each device did half of that, and MFU is taken on the half. Under
+    SP a rank's loss is its slice's share: the replica's loss is their sum."""
     from zero_recipes import metrics
 
     clock = iter(())
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     records = {}
-    for tp in (1, 2):
+    for group, shares in ((1, 1), (2, 1), (2, 2)):
         clock = iter([0.0, 4.0, 4.0])  # the window opens, records, and opens the next
-        window = LogWindow("cpu", 1000, 1, flops_per_token=6.0, peak_flops=6e3, tensor_parallel=tp)
+        window = LogWindow("cpu", 1000, 1, flops_per_token=6.0, peak_flops=6e3, group=group, loss_shares=shares)
         window.add_loss(torch.tensor(1.0))
         window.add_step(0.0)
         window.add_loss(torch.tensor(1.0))
         window.add_step(0.0)
-        records[tp] = window.record()
-    assert records[1]["tokens_per_sec_per_device"] == 500 and records[1]["tokens_per_sec"] == 500
-    assert records[2]["tokens_per_sec_per_device"] == 250 and records[2]["tokens_per_sec"] == 250  # world of one
-    assert records[2]["mfu"] == pytest.approx(250 * 6.0 / 6e3)
+        records[group, shares] = window.record()
+    assert records[1, 1]["tokens_per_sec_per_device"] == 500 and records[1, 1]["tokens_per_sec"] == 500
+    tp = records[2, 1]
+    assert tp["tokens_per_sec_per_device"] == 250 and tp["tokens_per_sec"] == 250  # world of one
+    assert tp["mfu"] == pytest.approx(250 * 6.0 / 6e3)
+    assert records[1, 1]["loss"] == tp["loss"] == 1.0 and records[2, 2]["loss"] == 2.0

@@ -1,0 +1,202 @@
+"""Ulysses sequence parallelism: DeepSpeed's ALST (`deepspeed.runtime.sequence_parallel.ulysses_sp`).
+
+`"sequence_parallel_size": N` splits every sequence across the N ranks of a group. Each rank runs the
+model on its s/N tokens; in each attention layer DeepSpeed's all-to-all trades the sequence split for a
+head split (whole sequence, heads/N), the attention kernel runs, and a second all-to-all trades back. The
+activations of a rank are those of s/N tokens, so the longest sequence grows with N.
+
+What train.py adds around DeepSpeed's pieces, and why:
+- The batch is cut here (`shard`), not by DeepSpeed's UlyssesSPDataLoaderAdapter: the ranks of an SP
+  group already hold the same rows (the data order is sharded by data-parallel rank), so the adapter's
+  all-gather of every rank's batch would move data each rank has. The cut is the adapter's: labels
+  pre-shifted into `shift_labels`, position ids kept global, the attention mask dropped.
+- Packed rows stay apart (`per_document_sdpa`): DeepSpeed's Ulysses drops the attention mask and sdpa
+  would then attend causally across the whole row, letting packed examples see each other. The wrapper
+  runs sdpa once per example, found from the gathered position ids that restart at 0. flash-attention
+  keeps them apart itself (varlen from position ids); flex-attention does not (DeepSpeed rebuilds a plain
+  causal mask), so packing with it is refused.
+- Eval and the export check run without SP (DeepSpeed's `disable_in_eval`): every rank evaluates whole
+  rows of its own, as data parallelism over all ranks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from .config import ConfigError
+
+ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""What Ulysses runs on: kernels that take no s x s mask (eager needs one and DeepSpeed rejects it)."""
+
+KEEP_PACKED_APART = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...]:
+    """Refuse, before any process group starts, what Ulysses cannot split or train.py cannot keep right;
+    return notes for what is allowed but worth knowing. `known_head`: lm_loss computes this family's loss."""
+    if mesh.sp == 1:
+        return ()
+    sp, text = mesh.sp, model_config.get_text_config()
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} does not divide the model's {heads} attention heads; use a size that "
+            f"divides {heads} (after the all-to-all each rank attends with {heads} / size whole heads)"
+        )
+    if kv % sp and sp % kv:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} and the model's {kv} key-value heads: one must divide the other "
+            f"(each rank takes kv_heads / {sp} heads, or copies of one); use a size that divides {kv} or a multiple of it"
+        )
+    if cfg.block_size % sp:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} does not divide block_size {cfg.block_size}: each rank takes an equal "
+            f"slice of every sequence; use --block_size {cfg.block_size - cfg.block_size % sp or sp}"
+        )
+    attn = cfg.attn_implementation
+    if attn not in ATTENTION:
+        raise ConfigError(
+            f"attn_implementation '{attn}' with sequence_parallel_size = {sp}: Ulysses needs a kernel without an "
+            "s x s mask; use --attn_implementation sdpa (or flash_attention_2 on GPUs)"
+        )
+    if cfg.packing and attn not in KEEP_PACKED_APART and _is_sft(cfg):
+        raise ConfigError(
+            f"packing with attn_implementation '{attn}' under sequence parallelism: DeepSpeed gives it a plain "
+            "causal mask over the whole row, so packed examples would attend to each other; use --attn_implementation "
+            "sdpa or flash_attention_2, or --packing false"
+        )
+    from .ds_config import zero_stage  # here: ds_config imports parallel, which imports nothing of ours
+
+    if zero_stage(ds) == 0:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} with ZeRO-0: DeepSpeed's ZeRO-0 bf16 path crashes under sequence "
+            "parallelism (deepspeedai/DeepSpeed#7833) and its checkpoints lack what a universal resume needs; use "
+            "ds_configs/zero1.json (free at one data-parallel replica) or zero3.json"
+        )
+    zero = ds.get("zero_optimization") or {}
+    if zero_stage(ds) == 3 and zero.get("reduce_scatter") is False:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} with ZeRO-3 and reduce_scatter false: DeepSpeed then averages small "
+            "gradient buckets over the data-parallel replicas and large parameters over every rank, so the gradient's "
+            "scale would differ per parameter; remove reduce_scatter (true is the default)"
+        )
+    if cfg.lora_r:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp} with LoRA: this combination is not tested here; train LoRA without "
+            "sequence_parallel_size, or fine-tune fully with ds_configs/zero3.json plus the sp fragment"
+        )
+    if not known_head:
+        raise ConfigError(
+            f"sequence_parallel_size = {sp}: under sequence parallelism train.py computes the loss itself, and it "
+            f"knows the output head of {', '.join(_known())} but not of '{model_config.model_type}'; remove "
+            "sequence_parallel_size"
+        )
+    notes = []
+    if sp > kv:
+        notes.append(f"sequence parallelism: {sp} ranks share {kv} key-value head(s); each rank holds a copy")
+    return tuple(notes)
+
+
+def _is_sft(cfg) -> bool:
+    return cfg.dataset_format != "text"
+
+
+def _known() -> list[str]:
+    from .lm_loss import KNOWN_HEADS
+
+    return sorted(KNOWN_HEADS)
+
+
+def register_ulysses(cfg, model_config, mesh):
+    """Swap Ulysses into transformers' attention table (before the model is built) and create DeepSpeed's
+    SP groups. Collective. Returns the mpu `deepspeed.initialize` takes (parallel_state_sp)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = cfg.attn_implementation
+    if attn == "sdpa":  # DeepSpeed wraps whatever the table holds under this name: wrap sdpa first
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = per_document_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    return UlyssesSPAttentionHF.register_with_transformers(
+        # DeepSpeed reads `.config` from a model, or loads one by hub id; ours may exist only in memory
+        model_name_or_path=SimpleNamespace(config=model_config),
+        core_attn_implementation=attn,
+        sequence_parallel_size=mesh.sp,
+        micro_batch_size=cfg.per_device_train_batch_size,
+        seq_length_is_variable=True,  # SFT rows vary in length
+        disable_in_eval=True,  # eval and the export check run whole rows, no SP (see the module docstring)
+    )
+
+
+def deepspeed_mpu():
+    """DeepSpeed's SP groups as the mpu `deepspeed.initialize` takes, reporting no model parallelism.
+    parallel_state_sp aliases its model-parallel size to the SP size, so the engine records SP ranks as
+    model-parallel shards in every checkpoint (mp_world_size) and ds_to_universal then refuses it ("model-state
+    file count 1 does not match pp_degree=1 * tp_degree=2", measured), and a universal load asks for a tensor-
+    parallel size parallel_state_sp lacks; but SP shards no weight. Everything else is parallel_state_sp's own; `initialize_sequence_parallel` is what ZeRO checks to know it is SP."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
+
+    names = [n for n in dir(sp_state) if n.startswith(("get_sequence", "initialize_sequence"))]
+    return SimpleNamespace(
+        **{n: getattr(sp_state, n) for n in names},
+        get_model_parallel_world_size=lambda: 1,
+        get_model_parallel_rank=lambda: 0,
+        get_tensor_model_parallel_world_size=lambda: 1,  # a universal load asks (base_optimizer.py)
+        get_tensor_model_parallel_rank=lambda: 0,
+    )
+
+
+def per_document_sdpa(sdpa):
+    """`sdpa` that keeps packed examples apart when it gets no mask: each row's examples (position ids
+    restarting at 0) attend causally within themselves, one sdpa call each. Exact: an example's tokens see
+    the same keys as in a row of its own. Rows without a restart take the plain causal call."""
+    import torch
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        pos = kwargs.get("position_ids")
+        if attention_mask is not None or pos is None or query.shape[2] != pos.shape[-1]:
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        starts = [(row == 0).nonzero().flatten().tolist() for row in pos.reshape(-1, pos.shape[-1])]
+        if all(s == [0] for s in starts) or len(starts) != query.shape[0]:
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        rows = []
+        for b, row_starts in enumerate(starts):
+            cuts = (row_starts if row_starts and row_starts[0] == 0 else [0, *row_starts]) + [query.shape[2]]
+            parts = [
+                sdpa(module, query[b : b + 1, :, a:e], key[b : b + 1, :, a:e], value[b : b + 1, :, a:e], None,
+                     *args, **kwargs)[0]
+                for a, e in zip(cuts[:-1], cuts[1:])
+                if e > a
+            ]  # fmt: skip
+            rows.append(torch.cat(parts, dim=1))  # sdpa returns [batch, seq, heads, head_dim]
+        return torch.cat(rows, dim=0), None
+
+    return attention
+
+
+def shard(batch: dict, sp_rank: int, sp: int) -> dict:
+    """This rank's slice of every sequence in a batch, cut as DeepSpeed's UlyssesSPDataLoaderAdapter cuts
+    it: the targets pre-shifted into `shift_labels` (the target of the slice's last token is the first token
+    of the next rank's slice), global position ids (Ulysses gathers them for attention), no attention mask.
+    Rows are first padded to a multiple of `sp` with ignored tokens after the end."""
+    import torch
+    import torch.nn.functional as F
+
+    ids, labels = batch["input_ids"], batch["labels"]
+    b, length = ids.shape
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(length, dtype=ids.dtype).expand(b, length)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    pad = -length % sp
+    if pad:
+        ids = F.pad(ids, (0, pad), value=0)
+        targets = F.pad(targets, (0, pad), value=-100)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, dtype=pos.dtype)], dim=1)
+    n = (length + pad) // sp
+    cut = slice(sp_rank * n, (sp_rank + 1) * n)
+    return {
+        "input_ids": ids[:, cut].contiguous(),
+        "position_ids": pos[:, cut].contiguous(),
+        "shift_labels": targets[:, cut].contiguous(),
+    }
