@@ -206,12 +206,15 @@ def build_model(plan: RunPlan, rank: int, log):
 
 def install_long_context(model, plan: RunPlan, log) -> None:
     """train.py's own loss (tiled over the sequence; always under SP) and the tiled MLP, where they apply."""
-    cfg, model_config, zero3 = plan.cfg, plan.model_config, plan.zero_stage == 3
-    if lm_loss.applies(cfg, model_config, plan.mesh.sp):
+    cfg, model_config, zero3, sp = plan.cfg, plan.model_config, plan.zero_stage == 3, plan.mesh.sp
+    if lm_loss.applies(cfg, model_config, sp):
         tokens = lm_loss.tile_tokens(cfg, model_config)
         lm_loss.install(model, tokens, cfg.tiled_loss, zero3)
-        if cfg.tiled_loss:
+        local = cfg.per_device_train_batch_size * cfg.block_size // sp
+        if cfg.tiled_loss and local > tokens:
             log(f"loss: head and cross-entropy in tiles of {tokens} tokens; the whole logits are never held")
+        else:
+            log(f"loss: computed by train.py over each rank's {local} tokens per micro-batch (one tile)")
     elif cfg.tiled_loss and not lm_loss.knows_head(model_config):
         log(f"loss: transformers' own (untiled): train.py does not know the output head of {model_config.model_type}")
     if cfg.tiled_mlp:

@@ -42,6 +42,7 @@ def local_missing(name: str) -> None:
 
 def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
     """The HF config of the model to train. `vocab_size` (the tokenizer's) sizes the embedded model."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with it
     from transformers import AutoConfig
 
     overrides = parse_model_config(cfg.model_config)
@@ -61,8 +62,8 @@ def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
                 fields["vocab_size"] = vocab_size
             fields.update(overrides or {})
             config = AutoConfig.for_model("llama", **fields)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"cannot build the model config: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
+        raise ConfigError(f"cannot build the model config: {' '.join(str(e).split())[:300]}") from None
     text = config.get_text_config()
     max_pos = getattr(text, "max_position_embeddings", None)
     if max_pos and cfg.block_size > max_pos:

@@ -20,6 +20,9 @@ COMBINATIONS: dict[str, tuple[str, ...]] = {
 TENSOR_PARALLEL: dict[int, str] = {n: f"ds_configs/tp{n}.json" for n in (2, 4, 8)}
 """AutoTP fragments by degree, added after a ZeRO combination: `ds_configs/zero1.json ds_configs/tp2.json`."""
 
+SEQUENCE_PARALLEL: dict[int, str] = {n: f"ds_configs/sp{n}.json" for n in (2, 4, 8)}
+"""Ulysses fragments by degree, added after a ZeRO-1/2/3 combination: `ds_configs/zero3.json ds_configs/sp2.json`."""
+
 PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("ds_configs/bf16.json",)}
 """Fragments added for a precision (fp32 is the default: none)."""
 
