@@ -63,7 +63,10 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool) -> None:
     head = model.get_output_embeddings()
     own_forward = model.forward
 
-    def forward(input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+    def forward(input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, eval_targets=None, **kwargs):
+        if eval_targets is not None:  # eval: per-row sums, no logits kept (loop.evaluate)
+            hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+            return {"row_stats": row_stats(head, hidden, eval_targets, tokens_per_tile, zero3)}
         if labels is None and shift_labels is None:
             return own_forward(input_ids=input_ids, **kwargs)
         if shift_labels is None:  # as transformers shifts: the target of token t is token t+1
@@ -76,6 +79,7 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool) -> None:
         return CausalLMOutputWithPast(loss=loss / count)
 
     model.forward = forward
+    model.computes_own_loss = True  # loop.evaluate asks for row sums instead of logits
 
 
 def agreed_tiles(tokens: int, tokens_per_tile: int, zero3: bool, device) -> int:
@@ -91,6 +95,28 @@ def agreed_tiles(tokens: int, tokens_per_tile: int, zero3: bool, device) -> int:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         tiles = int(t.item())
     return max(1, tiles)
+
+
+def row_stats(head, hidden, targets, tokens_per_tile: int, zero3: bool):
+    """Eval without the whole logits: per row, the summed cross-entropy over its targets, their count, and
+    how many the argmax gets wrong (0 with at least one target: greedy exact match), tile by tile."""
+    import torch
+    import torch.nn.functional as F
+
+    b, s = targets.shape
+    tiles = agreed_tiles(b * s, tokens_per_tile, zero3, hidden.device)
+    step = -(-s // tiles)
+    out = torch.zeros(b, 3, dtype=torch.float64, device=hidden.device)
+    with torch.no_grad():
+        for i in range(tiles):  # every rank the same number of head calls (ZeRO-3 gathers per call)
+            x, y = hidden[:, i * step : (i + 1) * step], targets[:, i * step : (i + 1) * step]
+            logits = head(x).float()
+            valid = y != -100
+            ce = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none")
+            out[:, 0] += ce.sum(dim=1)
+            out[:, 1] += valid.sum(dim=1)
+            out[:, 2] += ((logits.argmax(-1) != y) & valid).sum(dim=1)
+    return out
 
 
 def summed_loss(head, hidden, targets, tiles: int):

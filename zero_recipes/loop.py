@@ -278,23 +278,30 @@ def evaluate(engine, prepared, cfg, shard: int, shards: int, count_group=None) -
     engine.eval()
     device = engine.device
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
+    own_loss = getattr(engine.module, "computes_own_loss", False)  # lm_loss: row sums, tile by tile
     with torch.no_grad():
         for batch, weight in data.eval_batches(
             prepared.eval, cfg.per_device_eval_batch_size, shard, shards, cfg.max_eval_batches, prepared.pad_id
         ):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
-            target = batch.pop("labels")[:, 1:]
-            logits = engine(**batch, use_cache=False).logits[:, :-1].float()
-            valid = target != -100
-            losses = torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), target, reduction="none", ignore_index=-100
-            )
-            total[0] += (losses.sum(dim=1) * weight).sum()
-            total[1] += (valid.sum(dim=1) * weight).sum()
+            labels = batch.pop("labels")
+            if own_loss:
+                targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+                loss_sum, n, wrong = engine(**batch, eval_targets=targets, use_cache=False)["row_stats"].unbind(1)
+            else:
+                target = labels[:, 1:]
+                logits = engine(**batch, use_cache=False).logits[:, :-1].float()
+                valid = target != -100
+                losses = torch.nn.functional.cross_entropy(
+                    logits.transpose(1, 2), target, reduction="none", ignore_index=-100
+                )
+                loss_sum, n = losses.sum(dim=1), valid.sum(dim=1)
+                wrong = ((logits.argmax(-1) != target) & valid).sum(dim=1)
+            total[0] += (loss_sum * weight).sum()
+            total[1] += (n * weight).sum()
             if prepared.exact_match:
-                has_answer = valid.any(dim=1)
-                right = ((logits.argmax(-1) == target) | ~valid).all(dim=1) & has_answer
-                total[2] += (right * weight).sum()
+                has_answer = n > 0
+                total[2] += (((wrong == 0) & has_answer) * weight).sum()
                 total[3] += (has_answer * weight).sum()
     torch.distributed.all_reduce(total, group=count_group)
     if total[1].item() == 0:

@@ -149,3 +149,22 @@ def test_auto_tile_keeps_fp32_logits_under_256_mib_and_engages_only_when_needed(
     gemma2 = LlamaConfig(vocab_size=V)
     gemma2.final_logit_softcapping = 30.0
     assert not lm_loss.knows_head(gemma2)
+
+
+def test_eval_row_sums_equal_the_logits_path():
+    """Eval under the installed forward sums loss, targets and wrong argmaxes per row, tile by tile, without
+    keeping the logits; the figures equal those read from the whole logits."""
+    model = tiny_llama().eval()
+    ids = torch.randint(0, V, (3, 40))
+    targets = torch.nn.functional.pad(sft_labels(ids)[:, 1:], (0, 1), value=-100)
+    targets[2] = -100  # a row without an answer
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    valid = targets != -100
+    want = torch.stack([ce.sum(1), valid.sum(1), ((logits.argmax(-1) != targets) & valid).sum(1)], 1).double()
+    lm_loss.install(model, tokens_per_tile=16, tiled=True, zero3=False)
+    with torch.no_grad():
+        got = model(input_ids=ids, eval_targets=targets)["row_stats"]
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert got[2].tolist() == [0.0, 0.0, 0.0]
