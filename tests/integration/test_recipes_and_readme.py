@@ -84,7 +84,7 @@ def test_ds_configs_readme_lists_every_config():
 @pytest.mark.parametrize("row", ds_config_rows(), ids=lambda r: "+".join(Path(a).stem for a in r[1:]))
 def test_ds_configs_readme_row_resolves(row, capsys, tmp_path):
     extra = ["--nvme_path", str(tmp_path)] if any("nvme" in a for a in row) else []
-    if any(a.endswith(("tp4.json", "tp8.json")) for a in row):  # the embedded Llama has 4 heads over 2 KV heads
+    if any(a.endswith(("tp4.json", "tp8.json", "sp8.json")) for a in row):  # the embedded Llama: 4 heads, 2 KV heads
         extra += ["--model_config", "recipes/configs/llama-3.1-8b.json"]
     out = dry_run(row + extra, capsys)
     assert "resolved DeepSpeed config" in out and '"auto"' not in out
