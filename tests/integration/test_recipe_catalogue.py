@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from helpers import REPO, launch
-from zero_recipes.shipped import TENSOR_PARALLEL
+from zero_recipes.shipped import SEQUENCE_PARALLEL, TENSOR_PARALLEL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher).
@@ -38,10 +38,12 @@ CATALOGUE = {
     # tensor-parallel recipes: their TP8 stood in for by TP2 on the 2 ranks (the tiny model has 2 KV heads)
     "llama-3.1-8b-sft-tp8.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
     "llama-3.1-70b-sft-tp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
+    # long context: its SP8 stood in for by SP2 on the 2 ranks, its 64k rows by the SFT block below
+    "llama-3.1-8b-sft-longctx-sp8.yaml": dict(data="longalign", nproc=2, stage=3, offload=(None, None), sp=2),
 }
 # the quick start's recipes: tiny-sft and tiny-lora-sft are trained by test_sft_training.py; tiny-llama is the embedded default
 # (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
-ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml"}
+ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml", "tiny-longctx-sp2.yaml"}
 
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {
@@ -151,9 +153,12 @@ def rows(kind: str, n: int, start: int = 0) -> list[dict]:
                     "int_score": 3,
                 }
             )
-        elif kind == "ultrachat":
+        elif kind in ("ultrachat", "longalign"):
             messages = chat(i)
-            out.append({"prompt": messages[0]["content"], "prompt_id": f"{i:064x}", "messages": messages})
+            if kind == "ultrachat":
+                out.append({"prompt": messages[0]["content"], "prompt_id": f"{i:064x}", "messages": messages})
+            else:
+                out.append({"messages": messages})
         elif kind == "smoltalk":
             out.append({"messages": chat(i, system=i % 3 == 0), "source": "smol-magpie-ultra"})
         elif kind == "alpaca":
@@ -176,6 +181,9 @@ def tiny_dataset(name: str, out: Path) -> list[str]:
     out.mkdir()
     if kind == "alpaca":  # yahma/alpaca-cleaned: one JSON array at the repo root, a single train split
         (out / "alpaca_data_cleaned.json").write_text(json.dumps(rows(kind, 400)))
+        return ["--dataset_name", str(out)]
+    if kind == "longalign":  # THUDM/LongAlign-10k: one JSON-lines file at the repo root, a single train split
+        (out / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(kind, 400)))
         return ["--dataset_name", str(out)]
     splits = {recipe.get("dataset_split", "train"): rows(kind, 400)}
     if recipe.get("eval_split"):
@@ -214,16 +222,22 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         "--max_eval_batches",
         "2",
     ]
-    tp = spec.get("tp", 1)
-    if tp > 1:  # the recipe's own fragments, its TP degree shrunk to the ranks here
-        fragments = [TENSOR_PARALLEL[tp] if "/tp" in f else f for f in recipe["deepspeed"]]
-        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json fragment to shrink"
+    tp, sp = spec.get("tp", 1), spec.get("sp", 1)
+    if tp > 1 or sp > 1:  # the recipe's own fragments, its TP or SP degree shrunk to the ranks here
+        fragments = [
+            TENSOR_PARALLEL[tp] if "/tp" in f else SEQUENCE_PARALLEL[sp] if "/sp" in f else f
+            for f in recipe["deepspeed"]
+        ]
+        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json or spN.json fragment to shrink"
         args += ["--deepspeed", *fragments]
     launcher = "deepspeed" if spec["nproc"] > 1 else "python"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
     if tp > 1:
         dp = spec["nproc"] // tp
         assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {tp} tensor-parallel" in run.log
+    if sp > 1:
+        dp = spec["nproc"] // sp
+        assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {sp} sequence-parallel" in run.log
 
     losses = run.losses
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.log[-3000:]
@@ -238,10 +252,11 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["train_micro_batch_size_per_gpu"] == recipe["per_device_train_batch_size"]
     assert ds["gradient_accumulation_steps"] == recipe["gradient_accumulation_steps"]
-    assert ds["train_batch_size"] == (  # a tensor-parallel group shares its micro-batch
-        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"] // tp
+    assert ds["train_batch_size"] == (  # a tensor- or sequence-parallel group shares its micro-batch
+        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"] // (tp * sp)
     )
     assert ds.get("tensor_parallel", {}).get("autotp_size", 1) == tp
+    assert ds.get("sequence_parallel_size", 1) == sp
     # and the rest of the run as shipped
     run_config = json.loads((run.output_dir / "run_config.json").read_text())
     for key in (
@@ -273,3 +288,14 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
 def test_every_recipe_is_in_the_catalogue_test():
     shipped = {p.name for p in (REPO / "recipes").glob("*.yaml")} - ELSEWHERE
     assert shipped == set(CATALOGUE), "add the recipe to CATALOGUE (or remove it from the table)"
+
+
+def test_tiny_long_context_recipe_trains_two_steps_on_two_ranks(tmp_path):
+    """As shipped (ZeRO-3, SP2, gradient checkpointing, tiled loss) but with 1024-token rows and 2 steps."""
+    args = ["--recipe", "recipes/tiny-longctx-sp2.yaml", "--max_steps", "2", "--block_size", "1024"]
+    args += ["--logging_steps", "1", "--max_eval_batches", "1", "--save_steps", "2", "--eval_steps", "2"]
+    run = launch(args, tmp_path / "run", nproc=2).check()
+    assert "distributed: 2 ranks = 1 data-parallel x 2 sequence-parallel" in run.log
+    assert "each rank trains 512 of every 1024 tokens" in run.log
+    assert len(run.losses) == 2 and all(math.isfinite(x) for x in run.losses)
+    assert [r for r in run.records if "eval_loss" in r]
