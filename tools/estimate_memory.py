@@ -20,6 +20,11 @@ Tensor parallelism (DeepSpeed's AutoTP): the size comes from the merged config's
 --tensor_parallel N; AutoTP's split linear layers (their grads and optimizer states) and the activations inside
 attention and the MLP are divided by it, embeddings, norms and the rest stay whole, and ZeRO partitions over the
 data-parallel ranks (world / N). --table tries TP sizes 2, 4 and 8 where they divide the GPUs per node.
+Sequence parallelism (DeepSpeed's Ulysses): the size comes from the merged config's sequence_parallel_size, or
+--sequence_parallel N; each rank's activations are those of seq_len / N tokens (attention on the whole sequence
+with 1/N of the heads), ZeRO partitions over every rank. The loss is train.py's: tiled once a micro-batch has
+more tokens than one tile (--tiled_loss, --loss_tile_tokens), the MLP tiled with --tiled_mlp true. --table adds
+the longest sequence that fits on 1, 2, 4 and 8 GPUs with sequence parallelism over all of them.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def gb(n: float) -> str:
 
 def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
-    from zero_recipes import ds_config, model as modeling, parallel
+    from zero_recipes import ds_config, lm_loss, model as modeling, parallel, sequence_parallel
     from zero_recipes.config import parse_args
 
     argv = ["--recipe", args.recipe] if args.recipe else []
@@ -68,6 +73,10 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
         argv += ["--block_size", str(args.seq_len)]
     if args.gradient_checkpointing:
         argv += ["--gradient_checkpointing", "true"]
+    for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp"):  # train.py's flags, parsed by train.py's parser
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name}", str(value).lower()]
     if deepspeed:
         argv += ["--deepspeed", *deepspeed]
     cfg, explicit = parse_args(argv)
@@ -93,6 +102,8 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     raw = ds_config.load_fragments(cfg.deepspeed)
     if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
         raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
+    if args.sequence_parallel and not args.table:
+        raw["sequence_parallel_size"] = args.sequence_parallel
     notes = []
     if (
         all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
@@ -111,9 +122,10 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
-    mesh = parallel.Mesh(world, parallel.tensor_parallel_size(ds))
+    mesh = parallel.Mesh.of(world, ds)
     parallel.check_mesh(mesh)
     parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
+    notes += sequence_parallel.check(mesh, config, ds, cfg, lm_loss.knows_head(config))
     return cfg, config, ds, notes
 
 
@@ -156,6 +168,9 @@ def one(args, gpu_memory):
         cfg.block_size,
         cfg.gradient_checkpointing,
         cfg.attn_implementation or "sdpa",
+        tiled_loss=cfg.tiled_loss,
+        loss_tile_tokens=cfg.loss_tile_tokens,
+        tiled_mlp=cfg.tiled_mlp,
     )
     e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
     if e.tensor_parallel > args.num_gpus:
@@ -163,8 +178,31 @@ def one(args, gpu_memory):
             f"a tensor-parallel group of {e.tensor_parallel} spans {args.num_gpus}-GPU nodes: its per-layer all-reduces "
             "would cross the network; keep autotp_size within the GPUs per node"
         )
-    e.notes = notes
+    if e.sequence_parallel > args.num_gpus:
+        notes.append(
+            f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
+            "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
+        )
+    e.notes = notes + loss_notes(cfg, config, e.sequence_parallel)
     return e, cfg, config
+
+
+def loss_notes(cfg, config, sp: int) -> list[str]:
+    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.lm_loss)."""
+    from zero_recipes.memory.activations import loss_tile
+
+    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, cfg.tiled_loss, cfg.loss_tile_tokens)
+    local = cfg.per_device_train_batch_size * cfg.block_size // sp
+    notes = []
+    if tile and local > tile:
+        notes.append(
+            f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "
+            f"{local} tokens'); --tiled_loss false for the whole logits"
+        )
+    if cfg.tiled_mlp:
+        hidden = config.get_text_config().hidden_size
+        notes.append(f"mlp: tiled, {-(-cfg.block_size // sp // hidden)} tile(s) of up to {hidden} tokens per MLP")
+    return notes
 
 
 def print_one(e, cfg, args, gpu_memory) -> None:
@@ -177,6 +215,12 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
         f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
     )
+    if e.sequence_parallel > 1:
+        print(
+            f"sequence parallel: {args.num_gpus * args.num_nodes // e.sequence_parallel} data-parallel x "
+            f"{e.sequence_parallel} sequence-parallel (Ulysses); each rank holds {cfg.block_size // e.sequence_parallel} "
+            f"of every {cfg.block_size} tokens, ZeRO partitions over all {e.data_parallel} ranks"
+        )
     if e.tensor_parallel > 1:
         print(
             f"tensor parallel: {e.data_parallel} data-parallel x {e.tensor_parallel} tensor-parallel (AutoTP); each "
@@ -260,6 +304,29 @@ def print_table(t: dict) -> None:
     for n in GPU_COUNTS:
         b = t["recommended"].get(n)
         print(f"{n:>3d} GPU(s): " + (recommendation(b, t["lora_r"]) if b else "nothing fits"))
+    print_longest(t["longest_sequence"], t["gpu_memory"])
+
+
+def print_longest(ls: dict, gpu_memory: int) -> None:
+    """The longest sequence per GPU count (Ulysses over all of them), checkpointing off and on."""
+    print(
+        f"\nlongest sequence that fits in {gb(gpu_memory)} (tokens; {ls['config']}, {ls['precision']}, sequence parallel "
+        f"over all GPUs of the node, micro-batch {ls['micro_batch_size']}, loss "
+        f"{'tiled' if ls['tiled_loss'] else 'untiled'}{', MLP tiled' if ls['tiled_mlp'] else ''}):"
+    )
+    print(f"{'GPUs':>5s} {'SP':>3s} {'GC off':>14s} {'GC on':>14s}")
+    for n in dict.fromkeys(r["num_gpus"] for r in ls["rows"]):
+        cells = {r["gradient_checkpointing"]: r for r in ls["rows"] if r["num_gpus"] == n}
+        if any("refused" in r for r in cells.values()):
+            print(f"{n:>5d} {n:>3d}  refused: {cells[False]['refused']}")
+            continue
+
+        def cell(r):
+            if r["seq_len"] is None:
+                return "nothing fits"
+            return (">= " if r["at_cap"] else "") + f"{r['seq_len']:,}"
+
+        print(f"{n:>5d} {n:>3d} {cell(cells[False]):>14s} {cell(cells[True]):>14s}")
 
 
 def recommendation(b: dict, lora_given: int) -> str:
@@ -289,6 +356,18 @@ def main(argv: list[str]) -> int:
         type=int,
         help="AutoTP size (GPUs per tensor-parallel group); default: the config's tensor_parallel.autotp_size, else 1",
     )
+    ap.add_argument(
+        "--sequence_parallel",
+        type=int,
+        help="Ulysses size (GPUs per sequence-parallel group); default: the config's sequence_parallel_size, else 1",
+    )
+    ap.add_argument(
+        "--tiled_loss",
+        choices=["true", "false"],
+        help="train.py's --tiled_loss (default true: head and loss in tiles once a micro-batch exceeds one tile)",
+    )
+    ap.add_argument("--loss_tile_tokens", type=int, help="train.py's --loss_tile_tokens (default 0: auto)")
+    ap.add_argument("--tiled_mlp", choices=["true", "false"], help="train.py's --tiled_mlp (default false)")
     lora = ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)")
     lora.add_argument("--lora_r", type=int, help="LoRA rank (0: full fine-tuning, the default)")
     lora.add_argument("--lora_alpha", type=float)
@@ -312,6 +391,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
         if args.tensor_parallel is not None and args.tensor_parallel < 1:
             raise ConfigError(f"--tensor_parallel must be >= 1 (got {args.tensor_parallel})")
+        if args.sequence_parallel is not None and args.sequence_parallel < 1:
+            raise ConfigError(f"--sequence_parallel must be >= 1 (got {args.sequence_parallel})")
         if not (0 < args.mfu <= 1):
             raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
         gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None

@@ -136,7 +136,8 @@ def allocator_events(events) -> tuple[list, list]:
 def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
     """Peak live bytes of one real forward+backward of `model` on random tokens, from the CPU allocator's
     profiler events; each trainable parameter's grad is dropped as it is made, as DeepSpeed moves it into its
-    own buffers (the memory estimate counts those with the model states). `forward(model, ids)` returns the
+    own buffers (the memory estimate counts those with the model states), but inside a tiled compute, where
+    DeepSpeed leaves it in `param.grad` until the last tile. `forward(model, ids)` returns the
     loss (default: the model's own, with labels). The estimate tests and their child processes (a real AutoTP
     rank, tests/unit/test_memory_tp.py) measure with this one function."""
     import torch
@@ -145,7 +146,7 @@ def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int
     model.train()
     for p in model.parameters():
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+            p.register_post_accumulate_grad_hook(_to_deepspeed)
     ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
     forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -155,3 +156,10 @@ def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def _to_deepspeed(param) -> None:
+    """What ZeRO does with a gradient as it is made: takes it into its buffers, unless DeepSpeed's tiled compute
+    (sequence_tiled_compute, TiledMLP) has marked the weight not ready until its last tile."""
+    if getattr(param, "ds_grad_is_ready", True):
+        param.grad = None

@@ -11,12 +11,19 @@ states.py counts. Only 1 and 2 layers are traced and the rest extrapolated (laye
 70B model costs the same seconds as a tiny one. Where tracing cannot run (remote code that breaks under
 fake tensors), a closed form after Korthikanti et al. (arXiv 2205.05198) stands in, and says so.
 
-Measured against the torch profiler on real tensors (zero_recipes/bench/estimator.py): within +4 % in bf16,
-+6 % in fp32, and exact with gradient checkpointing, always over, never under.
+Measured against the torch profiler on real tensors (tests/unit/test_memory_estimate.py, test_memory_sp.py):
+equal to the byte for sdpa in bf16 and fp32, with gradient checkpointing and with train.py's tiled loss and MLP.
+(Before masks were created as in an eager run, `_eager_masks`, the trace held a causal s x s mask per layer that
+real runs never allocate: +4 % at 2 x 512 tokens, +13 % at 2 x 2048, growing with the length.)
+
+Sequence parallelism (sequence_parallel.py): one rank is traced at its s/N tokens with Ulysses' attention shapes.
+train.py's own loss (zero_recipes.lm_loss: always under SP, tiled once a micro-batch exceeds one tile) and its
+tiled MLP are installed on the traced model as train.py installs them, so their tiles are what is counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
@@ -84,13 +91,30 @@ def _with_layers(config, layers: int):
 
 
 def trace_peak(
-    config, micro_batch: int, seq_len: int, dtype, gradient_checkpointing: bool, attn: str, lora=None
+    config,
+    micro_batch: int,
+    seq_len: int,
+    dtype,
+    gradient_checkpointing: bool,
+    attn: str,
+    lora=None,
+    sp: int = 1,
+    loss_tile: int | None = None,
+    tiled_mlp: bool = False,
 ) -> int:
+    """`seq_len` is the whole sequence; with `sp` > 1 the model runs on its seq_len/sp slice with Ulysses'
+    attention (sequence_parallel.ulysses_attention). `loss_tile`: None, the model's own loss; else train.py's
+    (zero_recipes.lm_loss) with that many tokens per tile, 0 for its untiled path. `tiled_mlp`: every MLP
+    through DeepSpeed's TiledMLP as train.py wraps it (lm_loss.install_tiled_mlp)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     attn = "sdpa" if attn.startswith("flash") else attn  # same memory class: no s x s matrix is kept
+    if sp > 1:
+        from .sequence_parallel import traced_attention
+
+        attn = traced_attention(sp)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -98,6 +122,13 @@ def trace_peak(
             from ..model import enable_checkpointing
 
             enable_checkpointing(model)
+        if loss_tile is not None or tiled_mlp:
+            from .. import lm_loss
+
+            if loss_tile is not None:  # zero3=False: no collective to agree on the tile count in a trace
+                lm_loss.install(model, loss_tile or 1, bool(loss_tile), zero3=False)
+            if tiled_mlp:
+                lm_loss.install_tiled_mlp(model, zero3=False)
     if lora is not None:
         # peft's LoRA layers as train.py wraps them (zero_recipes.lora.wrap): lora_A, lora_B and the dropout save
         # their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped
@@ -118,12 +149,60 @@ def trace_peak(
         model.train()
         for p in model.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+                p.register_post_accumulate_grad_hook(_drop_when_ready)
+        ids = torch.zeros(micro_batch, seq_len // sp, dtype=torch.long)
         tracker = _tracker_class()(list(model.parameters()) + list(model.buffers()))
-        with tracker:
+        with tracker, _eager_masks():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     return tracker.peak
+
+
+def _drop_when_ready(param) -> None:
+    """A gradient leaves for DeepSpeed's buffers as it is made, except inside a tiled compute: DeepSpeed's
+    sequence_tiled_compute and TiledMLP mark their weights `ds_grad_is_ready = False` until the last tile, and
+    ZeRO then leaves the gradient in `param.grad` (stage_1_and_2.py and stage3.py skip the bucket), where autograd
+    adds each tile's gradient to it: the weight's gradient held from the first tile to the last, plus one tile's."""
+    if getattr(param, "ds_grad_is_ready", True):
+        param.grad = None
+
+
+@contextlib.contextmanager
+def _eager_masks():
+    """Mask creation as in an eager run on rows of one sequence each. transformers skips the causal mask for sdpa
+    (is_causal instead) unless it is tracing, and it counts a fake tensor as tracing (masking_utils `is_tracing`,
+    asked of the 0-d query offset), so under FakeTensorMode every layer got a materialised s x s mask, which the
+    CPU sdpa converts and saves per layer: 2*b*s^2 bytes a layer that a real run never allocates (measured: the
+    trace was +4 % over a real bf16 forward/backward at 2 x 512 tokens, +13 % at 2 x 2048). Within the trace that
+    offset's fakeness is not taken for tracing, and the packed-rows detection (which reads position ids' values,
+    which fake tensors have not) answers as for an unpacked row."""
+    from transformers import masking_utils
+
+    traced, packed = masking_utils.is_tracing, masking_utils.find_packed_sequence_indices
+    masking_utils.is_tracing = lambda tensor=None: traced(None if tensor is not None and tensor.dim() == 0 else tensor)
+    masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing, masking_utils.find_packed_sequence_indices = traced, packed
+
+
+def loss_tile(config, micro_batch: int, seq_len: int, sp: int, tiled_loss: bool, loss_tile_tokens: int) -> int | None:
+    """Which loss train.py runs, as trace_peak takes it: None for the model's own (transformers' ForCausalLMLoss),
+    else zero_recipes.lm_loss's with this many tokens per tile (0: its untiled path). lm_loss.applies decides:
+    always under SP, else when tiling is on and the micro-batch's local tokens exceed one tile."""
+    from types import SimpleNamespace
+
+    from .. import lm_loss
+
+    cfg = SimpleNamespace(
+        per_device_train_batch_size=micro_batch,
+        block_size=seq_len,
+        tiled_loss=tiled_loss,
+        loss_tile_tokens=loss_tile_tokens,
+    )
+    if not lm_loss.applies(cfg, config, sp):
+        return None
+    return lm_loss.tile_tokens(cfg, config) if tiled_loss else 0
 
 
 def closed_form(
@@ -135,18 +214,25 @@ def closed_form(
     attn: str,
     tp: int = 1,
     vocab_parallel: bool = False,
+    sp: int = 1,
+    tile: int | None = None,
 ) -> Activations:
     """Korthikanti et al.: s*b*h*34 bytes per layer in 16-bit, plus 5*a*s^2*b without a fused attention
     kernel; full recompute keeps 2*s*b*h per layer (plus one layer's worth while it recomputes). The loss
     region is 14*s*b*V in 16-bit (16 in fp32). With tensor parallelism (their section 4.2.1) s*b*h*(10 + 24/t)
-    and the attention matrix over t; the loss region over t only for a vocabulary-parallel head."""
+    and the attention matrix over t; the loss region over t only for a vocabulary-parallel head. With sequence
+    parallelism every term of the s/sp local tokens; a tiled loss region is one tile's (plus the hidden states'
+    gradient, s*b*h)."""
     t = config.get_text_config()
-    s, b, h, layers = seq_len, micro_batch, t.hidden_size, t.num_hidden_layers
+    s, b, h, layers = seq_len // sp, micro_batch, t.hidden_size, t.num_hidden_layers
     scale = bytes_per / 2
     per_layer = s * b * h * (10 + 24 / tp) * scale + (
         0 if attn in ("sdpa", "flash_attention_2") else 5 * t.num_attention_heads * s * s * b * scale / tp
     )
-    loss = s * b * t.vocab_size * (14 if bytes_per == 2 else 16) / (tp if vocab_parallel else 1)
+    loss_tokens = min(s * b, tile) if tile else s * b
+    loss = loss_tokens * t.vocab_size * (14 if bytes_per == 2 else 16) / (tp if vocab_parallel else 1)
+    if tile and loss_tokens < s * b:
+        loss += s * b * h * bytes_per
     if gradient_checkpointing:
         total = layers * 2 * s * b * h * scale + per_layer + loss
     else:
@@ -164,19 +250,38 @@ def activation_bytes(
     lora=None,
     tp: int = 1,
     vocab_parallel: bool = False,
+    sp: int = 1,
+    tiled_loss: bool = True,
+    loss_tile_tokens: int = 0,
+    tiled_mlp: bool = False,
 ) -> Activations:
     """`lora`: a peft LoraConfig (zero_recipes.lora.lora_config) to trace the peft-wrapped model, else None.
     `tp` > 1: one tensor-parallel rank's activations, traced through the model with its per-rank widths
-    (tensor_parallel.local_config: heads and MLP width over tp, the residual stream and norms whole)."""
+    (tensor_parallel.local_config: heads and MLP width over tp, the residual stream and norms whole).
+    `sp` > 1: one Ulysses rank's, the model run on seq_len/sp tokens with the all-to-alls' shapes around
+    attention (sequence_parallel.py). `tiled_loss`, `loss_tile_tokens`, `tiled_mlp`: train.py's flags; the loss
+    and the MLPs are traced through train.py's own code for them (zero_recipes.lm_loss)."""
     import torch
 
     from .tensor_parallel import local_config
 
     layers = config.get_text_config().num_hidden_layers
     traced = local_config(config, tp, vocab_parallel) if tp > 1 else config
+    tile = loss_tile(config, micro_batch, seq_len, sp, tiled_loss, loss_tile_tokens)
     try:
         one, two = (
-            trace_peak(_with_layers(traced, n), micro_batch, seq_len, dtype, gradient_checkpointing, attn, lora)
+            trace_peak(
+                _with_layers(traced, n),
+                micro_batch,
+                seq_len,
+                dtype,
+                gradient_checkpointing,
+                attn,
+                lora,
+                sp,
+                tile,
+                tiled_mlp,
+            )
             for n in (1, 2)
         )
     except Exception:  # noqa: BLE001 -- any model code that cannot run on fake tensors
@@ -189,6 +294,8 @@ def activation_bytes(
             attn,
             tp,
             vocab_parallel,
+            sp,
+            tile,
         )
     per_layer = max(0, two - one)
     return Activations(one + (layers - 1) * per_layer, per_layer, "traced")

@@ -149,6 +149,12 @@ class Launch:
     optimizer_temporaries: int | None = None
     """Bytes per stepped element the optimizer step allocates (torch's single-tensor AdamW 8, foreach 4, fused 0).
     None: as train.py runs, i.e. fused AdamW on a GPU (0), single-tensor on the CPU (8)."""
+    tiled_loss: bool = True
+    """train.py's --tiled_loss: the head and loss over tiles once a micro-batch has more tokens than one tile."""
+    loss_tile_tokens: int = 0
+    """train.py's --loss_tile_tokens (0: one tile's fp32 logits at most 256 MiB)."""
+    tiled_mlp: bool = False
+    """train.py's --tiled_mlp: every MLP through DeepSpeed's TiledMLP."""
 
     @property
     def world(self) -> int:
@@ -176,6 +182,8 @@ class Estimate:
     """The ranks ZeRO partitions over: the world divided by tensor_parallel."""
     params_per_rank: int | None = None
     """Parameters one rank holds before ZeRO partitions them (the AutoTP shard; num_params without TP)."""
+    sequence_parallel: int = 1
+    """Ulysses ranks per group (sequence_parallel_size): each holds seq_len / this many tokens of every row."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -198,11 +206,17 @@ def estimate(
     import torch
 
     from ..ds_config import offloads, zero_stage
-    from ..parallel import tensor_parallel_size
+    from ..parallel import sequence_parallel_size, tensor_parallel_size
+    from . import sequence_parallel
     from .tensor_parallel import data_parallel
 
-    tp = tensor_parallel_size(ds)
-    dp = data_parallel(launch.world, tp)  # ZeRO's N: it partitions over the data-parallel ranks only
+    tp, sp = tensor_parallel_size(ds), sequence_parallel_size(ds)
+    sequence_parallel.check(launch.world, sp, launch.seq_len, tp, zero_stage(ds))
+    if sp > 1:
+        sequence_parallel.check_heads(model_config, sp)
+    # ZeRO's N: it partitions over the data-parallel ranks only under TP, over every rank under SP (DeepSpeed's
+    # seq_data_parallel_group is the world)
+    dp = data_parallel(launch.world, tp)
     shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
     if shape.tp != tp:
         raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {tp}")
@@ -248,15 +262,22 @@ def estimate(
             lora,
             tp,
             shape.vocab_parallel,
+            sp,
+            launch.tiled_loss,
+            launch.loss_tile_tokens,
+            launch.tiled_mlp,
         )
+    in_loss = tiled_head_gradient(model_config, launch, sp, p, dp, shape)
     table = {}
     for name in PHASES:
         b = by_phase[name]
         act = 0
         if name == "forward_backward":
             fwd = by_phase["forward"]
-            if fwd.device + activations.bytes > b.device:  # the forward's peak: activations on the steady states
-                b, act = fwd, activations.bytes
+            # the forward's peak: activations on the steady states (with a tiled loss, the head's gradient in
+            # flight inside the loss's backward too)
+            if fwd.device + activations.bytes + in_loss > b.device:
+                b, act = fwd, activations.bytes + in_loss
         table[name] = {
             "device_bytes": b.device + act,
             "model_states_bytes": b.states,
@@ -313,7 +334,30 @@ def estimate(
         tensor_parallel=tp,
         data_parallel=dp,
         params_per_rank=shape.num_params,
+        sequence_parallel=sp,
     )
+
+
+def tiled_head_gradient(model_config, launch: Launch, sp: int, p: int, n: int, shape: ModelShape) -> int:
+    """With the loss in tiles, the output head's backward runs inside the loss's (sequence_tiled_compute
+    recomputes each tile there), and ZeRO reduces the head's gradient at the last tile, while that tile's logits
+    and their gradient are live. So the head's gradient in flight, which without tiling comes after the loss
+    region is freed (states.py counts it in the backward's phase, max'ed with the forward's), adds to the
+    activations: the reduction's 2p bytes a head parameter (states.py's in-flight `2 * p * f`) and its gradient
+    partition, p/N. (The gradient held across tiles, p bytes, is in the traced activations.) Measured on ZeRO-2,
+    one rank, bf16 (benchmarks/estimator.md, the 128k-vocabulary points); the same terms assumed for ZeRO-1 and 3."""
+    from .activations import loss_tile
+
+    if shape.trainable is not None or shape.tp > 1:  # LoRA's head is frozen; TP's head is split: not modelled
+        return 0
+    tile = loss_tile(
+        model_config, launch.micro_batch_size, launch.seq_len, sp, launch.tiled_loss, launch.loss_tile_tokens
+    )
+    if not tile or launch.micro_batch_size * launch.seq_len // sp <= tile:
+        return 0
+    text = model_config.get_text_config()
+    head = text.vocab_size * text.hidden_size
+    return int(head * (2 * p + p / n))
 
 
 def rank_total(e: Estimate, phase: str) -> int:
@@ -378,6 +422,9 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 cfg.gradient_checkpointing,
                 cfg.attn_implementation or "sdpa",
                 "gpu" if torch.cuda.is_available() else "cpu",
+                tiled_loss=getattr(cfg, "tiled_loss", True),
+                loss_tile_tokens=getattr(cfg, "loss_tile_tokens", 0),
+                tiled_mlp=getattr(cfg, "tiled_mlp", False),
             ),
             lora=lora_config(cfg) if enabled(cfg) else None,
             load_in_4bit=cfg.load_in_4bit,

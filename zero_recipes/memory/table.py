@@ -13,6 +13,13 @@ belong on NVLink: DeepSpeed's mesh makes a TP group of consecutive ranks (utils/
 `_init_tp_mesh_device`), one node when the size divides the GPUs per node, and the table's GPU counts are
 per node, so it tries only sizes that divide them and never puts a TP group across nodes. It comes after
 checkpointing (simpler, and no all-reduce on the critical path) and before LoRA (it trains every parameter).
+
+The longest sequence that fits (`longest_sequence`) answers another question: with Ulysses sequence parallelism
+over every GPU of a node (`sequence_parallel_size` = GPUs, ZeRO-3, the table's precision, train.py's tiled loss),
+how many tokens can one sequence have, with and without gradient checkpointing? Found by bisection over the
+estimate itself: doubling from 1024 tokens until it no longer fits, then splitting the gap between the last length
+that fits and the first that does not (where the peak interpolated between them meets the memory), in multiples
+of 1024, until it is under 1/32 of the length.
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ LORA_CONFIGS = ("zero1", "zero2", "zero3")
 # Tensor-parallel sizes the table tries, each where it divides the GPUs per node (a TP group within a node)
 TP_SIZES = (2, 4, 8)
 TP_CONFIGS = ("zero1", "zero2", "zero3")
+# The longest sequence: sequence parallelism over all GPUs of one node, at these counts, under ZeRO-3
+LONGEST_GPUS = (1, 2, 4, 8)
+LONGEST_CONFIG = "zero3"
+LONGEST_STEP = 1024  # lengths are multiples of this (so every SP size up to 1024 divides them)
+LONGEST_CAP = 2**24  # 16M tokens: the search stops there and reports "at least"
 
 
 def lora_of(cfg):
@@ -187,6 +199,7 @@ def table(args, gpu_memory: int, load) -> dict:
                 choice = first_fitting(order, fitting, lambda v, ds_n, gc, micro: run(v, ds_n, n, gc, micro), micro0)
                 if choice:
                     into[n] = choice
+        longest = longest_rows(args, cfg, config, extra, fragment[1], load, gpu_memory, notes)
     return {
         "num_params": variants[0]["shape"].num_params,
         "precision": precision,
@@ -201,14 +214,139 @@ def table(args, gpu_memory: int, load) -> dict:
         "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if lora_rows else None,
         "recommended": best,
         "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
+        "longest_sequence": {
+            "config": LONGEST_CONFIG,
+            "precision": precision,
+            "micro_batch_size": micro0,
+            "tiled_loss": cfg.tiled_loss,
+            "tiled_mlp": cfg.tiled_mlp,
+            "rows": longest,
+        },
         "notes": notes,
     }
 
 
+def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None) -> dict:
+    """The longest multiple of LONGEST_STEP tokens whose estimate fits `gpu_memory` (verdict "yes") for this
+    DeepSpeed config and launch (its seq_len is what is searched). Bracketed from LONGEST_STEP upwards, each try
+    where the line through the peaks of the last two lengths that fit meets the memory (the activations are close
+    to linear in the length under sdpa/flash, so this lands next to the answer); then the bracket is split where
+    the line between its ends meets it (the midpoint when that would not split it), and the split point's
+    neighbour one resolution away closes it, until the bracket is within 1/32 of the length (or LONGEST_STEP).
+    Returns {"seq_len": N, or None when even LONGEST_STEP does not fit, "peak_bytes", "at_cap": True when it
+    still fits at LONGEST_CAP, "estimates": how many were made}."""
+    import dataclasses
+
+    from .estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES, estimate
+
+    shape = shape or _shape(config)
+    tried = {}
+    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (1 + FRAGMENTATION)  # the most a "yes" may peak at
+
+    def peak(seq: int) -> int:
+        if seq not in tried:
+            tried[seq] = estimate(config, ds, dataclasses.replace(launch, seq_len=seq), shape, gpu_memory=gpu_memory)
+        return tried[seq].per_gpu["peak_bytes"]
+
+    def fits(seq: int) -> bool:
+        peak(seq)
+        return bool(tried[seq].fits)
+
+    def resolution(seq: int) -> int:
+        return max(LONGEST_STEP, seq // 32 // LONGEST_STEP * LONGEST_STEP)
+
+    def meets(a: int, b: int) -> int:
+        """Where the line through the peaks at a and b reaches the target, in whole steps (0: it never does)."""
+        slope = (peak(b) - peak(a)) / (b - a)
+        return int(a + (target - peak(a)) / slope) // LONGEST_STEP * LONGEST_STEP if slope > 0 else 0
+
+    if not fits(LONGEST_STEP):
+        return {"seq_len": None, "peak_bytes": peak(LONGEST_STEP), "at_cap": False, "estimates": len(tried)}
+    lo, hi, below = LONGEST_STEP, None, None
+    while hi is None and lo < LONGEST_CAP:  # bracket: try where the line through the last two fits meets it
+        guess = meets(below, lo) if below else 2 * lo
+        guess = min(max(guess, lo + resolution(lo)), LONGEST_CAP) if guess else min(2 * lo, LONGEST_CAP)
+        if fits(guess):
+            below, lo = lo, guess
+        else:
+            hi = guess
+    while hi is not None and hi - lo > resolution(lo):  # split the bracket where the line between its ends meets it
+        mid = meets(lo, hi)
+        mid = mid if lo < mid < hi else (lo + hi) // 2 // LONGEST_STEP * LONGEST_STEP
+        if fits(mid):
+            lo, near = mid, min(mid + resolution(mid), hi)
+        else:
+            hi, near = mid, max(mid - resolution(mid), lo)
+        if lo < near < hi:
+            lo, hi = (near, hi) if fits(near) else (lo, near)
+    return {"seq_len": lo, "peak_bytes": peak(lo), "at_cap": lo >= LONGEST_CAP, "estimates": len(tried)}
+
+
+def _shape(config):
+    from .estimate import ModelShape
+
+    return ModelShape.of(config)
+
+
+def longest_rows(args, cfg, config, extra: list, fragment, load, gpu_memory: int, notes: list) -> list[dict]:
+    """longest_sequence for LONGEST_GPUS GPUs per node x gradient checkpointing off and on: sequence parallelism
+    over all of a node's GPUs, ZeRO-3, the run's precision, micro-batch and loss/MLP tiling. A GPU count train.py
+    would refuse as an SP size (heads it does not divide, LoRA) is a row with its reason."""
+    import tempfile
+
+    from ..config import ConfigError
+    from .estimate import Launch
+
+    shape = _shape(config)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zr-longest-") as tmp:
+        for n in LONGEST_GPUS:
+            files = [*TABLE_CONFIGS[LONGEST_CONFIG], *extra, fragment, sp_fragment(Path(tmp), n)]
+            try:
+                _, _, ds_n, _ = load(args, files, n * args.num_nodes)
+            except ConfigError as err:
+                for gc in (False, True):
+                    rows.append({"num_gpus": n, "sequence_parallel": n, "gradient_checkpointing": gc,
+                                 "seq_len": None, "refused": str(err).split(";")[0]})  # fmt: skip
+                continue
+            for gc in (False, True):
+                launch = Launch(
+                    n,
+                    args.num_nodes,
+                    cfg.per_device_train_batch_size,
+                    cfg.block_size,
+                    gc,
+                    cfg.attn_implementation or "sdpa",
+                    tiled_loss=cfg.tiled_loss,
+                    loss_tile_tokens=cfg.loss_tile_tokens,
+                    tiled_mlp=cfg.tiled_mlp,
+                )
+                found = longest_sequence(config, ds_n, launch, gpu_memory, shape)
+                rows.append({"num_gpus": n, "sequence_parallel": n, "gradient_checkpointing": gc, **found})
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and any((r.get("seq_len") or 0) > positions for r in rows):
+        notes.append(
+            f"longest sequence: beyond the model's max_position_embeddings ({positions:,}) it needs RoPE scaling or "
+            "training at that length; the memory is what the table shows"
+        )
+    return rows
+
+
+def sp_fragment(tmp: Path, sp: int) -> str:
+    """A --deepspeed fragment setting Ulysses' size (1: none)."""
+    import json
+
+    out = tmp / f"sequence_parallel_{sp}.json"
+    out.write_text(json.dumps({"sequence_parallel_size": sp}) + "\n")
+    return str(out)
+
+
 def tp_fragment(tmp: Path, tp: int) -> str:
-    """A --deepspeed fragment setting AutoTP's size (1: none)."""
+    """A --deepspeed fragment setting AutoTP's size (1: none), and no sequence parallelism: the table's cells
+    are without it (an sp fragment among the user's files would otherwise apply to every GPU count), the longest
+    sequence adds it after this one."""
     import json
 
     out = tmp / f"tensor_parallel_{tp}.json"
-    out.write_text(json.dumps({"tensor_parallel": {"autotp_size": tp}}) + "\n")
+    out.write_text(json.dumps({"tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": 1}) + "\n")
     return str(out)
