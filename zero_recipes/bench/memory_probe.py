@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
-from zero_recipes import distributed, lora, model as modeling, parallel
+from zero_recipes import distributed, lm_loss, lora, model as modeling, parallel, sequence_parallel
 from zero_recipes.bench.common import allocator_events
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
@@ -73,11 +73,22 @@ def main(argv: list[str]) -> int:
     # every rank of a tensor-parallel group must see the same tokens (DeepSpeed checks the first batch: "Data
     # inconsistency within the TP group"), so the tokens are seeded by the data-parallel rank
     gen = torch.Generator().manual_seed(plan.mesh.dp_rank(rank))
-    batches = [
+    rows = [
         torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
         for _ in range(STEPS * cfg.gradient_accumulation_steps)
     ]
-    mpu = plan.mesh.deepspeed_mpu()  # as train.py: DeepSpeed's groups under TP (the batch counts dp ranks)
+    mesh = plan.mesh
+    # as train.py: under SP each rank trains its slice of the same rows (loop.next_micro_batches), and Ulysses
+    # goes into transformers' attention table before the model is built
+    batches = [
+        sequence_parallel.shard({"input_ids": ids, "labels": ids}, mesh.sp_rank(rank), mesh.sp)
+        if mesh.sp > 1
+        else {"input_ids": ids, "labels": ids}
+        for ids in rows
+    ]
+    if mesh.sp > 1:
+        sequence_parallel.register_ulysses(cfg, model_config, mesh)
+    mpu = mesh.deepspeed_mpu()  # as train.py: DeepSpeed's groups under TP or SP (the batch counts dp ranks)
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -87,13 +98,14 @@ def main(argv: list[str]) -> int:
             # as train.py's build_model: a pretrained base loads in bf16 under bf16, and LoRA wraps it
             bf16_load = plan.precision == "bf16" and cfg.model_name_or_path
             model = modeling.build_model(cfg, model_config, torch.bfloat16 if bf16_load else torch.float32, rank)
+            install_long_context(model, plan)
             if lora.enabled(cfg):
                 model = lora.wrap(model, cfg)
             engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
-        for ids in batches:
+        for batch in batches:
             with record_function("phase:forward_backward"):
-                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = engine(**batch, use_cache=False).loss
                 engine.backward(loss)
             with record_function("phase:optimizer_step"):
                 engine.step()
@@ -102,12 +114,23 @@ def main(argv: list[str]) -> int:
     mine["trainable_params"] = lora.trainable_count(engine.module)[0]
     mine["precision"] = plan.precision
     mine["tensor_parallel"] = plan.mesh.tp
+    mine["sequence_parallel"] = plan.mesh.sp
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:
         Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
     distributed.finish(0)
     return 0
+
+
+def install_long_context(model, plan) -> None:
+    """train.py's build_model (`install_long_context`): its own loss where lm_loss applies (tiled when asked; always
+    under SP), and the tiled MLP when asked, with the same functions and arguments."""
+    cfg, model_config, zero3 = plan.cfg, plan.model_config, plan.zero_stage == 3
+    if lm_loss.applies(cfg, model_config, plan.mesh.sp):
+        lm_loss.install(model, lm_loss.tile_tokens(cfg, model_config), cfg.tiled_loss, zero3)
+    if cfg.tiled_mlp:
+        lm_loss.install_tiled_mlp(model, zero3)
 
 
 if __name__ == "__main__":
