@@ -22,8 +22,11 @@
     # TP2 x ZeRO-1 (2 ranks) and TP2 x DP2 (4 ranks) against ZeRO-2/3: tokens/s, per-rank peak, loss parity
     python tools/benchmark.py parallel                  # --quick: tiny model, 3 steps; --gpu: bf16 on 4 GPUs
 
-Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} with the date, versions and machine. The
-code lives in zero_recipes/bench/, one module per benchmark.
+    # long context on 2 ranks: per-rank peak vs length for ZeRO-3, tiled loss, SP=2 and both; longest in a budget
+    python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
+
+Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} (longctx also a .png) with the date, versions
+and machine. The code lives in zero_recipes/bench/, one module per benchmark.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zero_recipes.bench import data, estimator, estimator_public, export, gpu, lora, parallel, settings, speed
+from zero_recipes.bench import data, estimator, estimator_public, export, gpu, longctx, lora, parallel, settings, speed
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, estimator_public, speed, settings, gpu, lora, parallel):
+    for module in (data, export, estimator, estimator_public, speed, settings, gpu, lora, parallel, longctx):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -94,3 +94,27 @@ def test_parallel_benchmark_quick(tmp_path):
         assert len(c[name]["losses"]) == len(zero2)
         assert all(abs(a - b) <= 1e-5 for a, b in zip(c[name]["losses"], zero2)), (name, c[name]["losses"], zero2)
         assert c[name]["loss_parity"]
+
+
+def test_longctx_benchmark_quick(tmp_path):
+    """ZeRO-3, the tiled loss, SP=2 and both, each launched on 2 ranks under the allocator probe at a short
+    block: every run trains, its peak splits into states + activations with the loss region inside the
+    activations, tiled and untiled losses agree, and the report carries the goals, the search and the plot."""
+    report = run_quick("longctx", tmp_path, timeout=900)
+    assert report.with_suffix(".png").stat().st_size > 0
+    assert "## Longest sequence within" in report.with_suffix(".md").read_text()
+    r = json.loads(report.read_text())
+    points = r["points"]
+    assert len(points) == 4
+    for name, by_block in points.items():
+        p = by_block["256"]
+        assert p["exit_code"] == 0 and len(p["peak_bytes_by_rank"]) == 2, name
+        assert 0 < p["loss_region_bytes"] <= p["activation_bytes"] < p["peak_bytes"], name
+        assert p["states_bytes"] + p["activation_bytes"] <= p["peak_bytes"] * 1.01, name
+    assert "2 sequence-parallel" in points["ZeRO-3 + SP2"]["256"]["distributed_line"]
+    assert all(d is not None and d <= 1e-5 for d in r["loss_parity"].values()), r["loss_parity"]
+    [found] = r["searches"].values()  # one budget in the quick run
+    for x in found.values():
+        assert x["tried"][0] == 256 and (x["shortest_failing"] is None or x["longest"] < x["shortest_failing"])
+    assert set(r["goals"]) == {"sp_activation", "sp_activation_tiled", "tiled_loss_region", "longest"}
+    assert list(r["longest_by_budget"].values()) == [r["goals"]["longest"]]

@@ -1,0 +1,628 @@
+"""Long context on 2 ranks: per-rank peak memory against sequence length for ZeRO-3 alone, the tiled loss,
+Ulysses sequence parallelism (SP=2) and both, and the longest sequence that trains within a memory budget.
+
+    python tools/benchmark.py longctx             # benchmarks/longctx-DATE.{md,json,png} (~25 min on 2 cores)
+    python tools/benchmark.py longctx --quick     # tiny blocks, 4 configurations (the test)
+
+Every point is one train.py run through the real launcher (`deepspeed --num_gpus 2`, one sequence per rank,
+a couple of optimizer steps) under zero_recipes/bench/longctx_probe.py: torch.profiler's allocator events on
+every rank, read at marks placed at the start of each forward, at the final norm (where the output head and
+the loss begin), when the gradient reaches it again, and at the optimizer step. Per step:
+  model states  = live bytes when the forward starts (what outlives a step),
+  activations   = peak from the forward to the optimizer step - model states,
+  loss region   = peak from the final norm to its gradient - live bytes at the final norm.
+A point's figures are the largest over ranks of its last step (the first step has no Adam states yet).
+
+The longest sequence within the budget, per configuration: from the sweep's smallest block, doubling (or
+halving) until one trains within the budget and the next does not, then bisection on multiples of
+`quantum` until the bracket is within `resolution` of its lower end. "Trains within the budget": train.py
+exits 0 and the measured per-rank peak of the optimizer steps is at most the budget. Runs whose peak the
+measured ones predict (linear in the length) above the machine's cap are not launched. One search per budget
+(the runs are shared). `--work-dir DIR` keeps the runs in DIR and reads back any run an earlier invocation with
+the same model, steps and loss tile completed there, so a search at another budget reruns nothing measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import REPO, footer, free_port, new_report, write_report, yes
+
+ZERO3, SP2 = "ds_configs/zero3.json", "ds_configs/sp2.json"
+# name: (sequence-parallel size, tiled loss, tiled MLP)
+CONFIGS: dict[str, tuple[int, bool, bool]] = {
+    "ZeRO-3 (today)": (1, False, False),
+    "ZeRO-3 + tiled loss": (1, True, False),
+    "ZeRO-3 + SP2": (2, False, False),
+    "ZeRO-3 + SP2 + tiled loss": (2, True, False),
+    "ZeRO-3 + SP2 + tiled loss + tiled MLP": (2, True, True),
+}
+TODAY, TILED, SP, SP_TILED = list(CONFIGS)[:4]
+GOALS = {"sp_activation": 1.8, "tiled_loss_region": 4.0, "longest": 3.0}
+GiB = 2**30
+LONG_MODEL = {"vocab_size": 131072, "max_position_embeddings": 65536, "num_hidden_layers": 8}
+SIZES = {
+    # model: --model_config; blocks: the sweep; budgets: per-rank bytes, one search each (the first is the
+    # goal's; 1.5 GiB was picked first, to keep the longest runs short, and sits within the runs' noise of the
+    # SP configurations' fixed part, so 1.75 GiB is searched too); quantum and resolution:
+    # when the bisection stops; steps: optimizer steps per run; configs: which of CONFIGS run
+    "full": dict(
+        model=LONG_MODEL,
+        blocks=[1024, 2048, 4096, 8192],
+        budgets=[1.5 * GiB, 1.75 * GiB],
+        quantum=64,
+        resolution=1 / 4,
+        steps=2,
+        loss_tile_tokens=0,
+        configs=list(CONFIGS),
+        search=list(CONFIGS),
+        limit=16384,
+    ),
+    "quick": dict(
+        model={"vocab_size": 32768, "num_hidden_layers": 2},
+        blocks=[256],
+        budgets=[0.3 * GiB],
+        quantum=128,
+        resolution=1.0,
+        steps=2,
+        loss_tile_tokens=64,
+        configs=list(CONFIGS)[:4],
+        search=[TODAY, SP_TILED],
+        limit=512,
+    ),
+}
+TIMEOUT = 1800  # one run, seconds
+
+
+def launch(name: str, block: int, size: dict, out: Path, probe: Path) -> list[str]:
+    """The `deepspeed` command line of one configuration at one block size, under the probe."""
+    sp, tiled_loss, tiled_mlp = CONFIGS[name]
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += ["--module", "zero_recipes.bench.longctx_probe", "--deepspeed", ZERO3, *([SP2] if sp == 2 else [])]
+    cmd += ["--model_config", json.dumps(size["model"]), "--block_size", str(block)]
+    cmd += ["--per_device_train_batch_size", "1", "--max_steps", str(size["steps"]), "--learning_rate", "1e-3"]
+    cmd += ["--tiled_loss", str(tiled_loss).lower(), "--tiled_mlp", str(tiled_mlp).lower()]
+    cmd += ["--loss_tile_tokens", str(size["loss_tile_tokens"])]
+    # no held-out rows: train.py's eval computes whole-sequence logits (no SP, no tiles) and would dwarf
+    # the training step at long blocks; the loss of each step is in metrics.jsonl
+    cmd += ["--validation_split_percentage", "0", "--eval_steps", "0", "--save_steps", "0"]
+    cmd += ["--logging_steps", "1", "--report_to", "none", "--output_dir", str(out), "--probe_out", str(probe)]
+    return cmd
+
+
+def run(cmd: list[str], timeout: int = TIMEOUT) -> tuple[int, str]:
+    """(exit code, output) of a launch from the repo root, in its own process group (a timeout ends the
+    launcher's ranks too; exit code 124 then)."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return 124, output
+
+
+def point(ranks: list[dict]) -> dict:
+    """One run's figures from its ranks' probe files: the largest over ranks, at the last complete step."""
+    last = [next(s for s in reversed(r["steps"]) if s.get("complete")) for r in ranks]
+    return {
+        "peak_bytes": max(r["phase_peak_bytes"]["train_step"] for r in ranks),
+        "peak_bytes_by_rank": [r["phase_peak_bytes"]["train_step"] for r in ranks],
+        "whole_run_peak_bytes": max(r["peak_bytes"] for r in ranks),
+        "states_bytes": max(s["states"] for s in last),
+        "activation_bytes": max(s["activations"] for s in last),
+        "activation_bytes_by_rank": [s["activations"] for s in last],
+        "loss_region_bytes": max(s["loss_region"] for s in last),
+    }
+
+
+def measure_point(name: str, block: int, size: dict, tmp: Path) -> dict:
+    """One run, or its files read back when an earlier invocation with the same settings left them in `tmp`
+    (--work-dir): the probe's rank files, metrics.jsonl and the launch's output."""
+    out = tmp / f"{slug(name)}-{block}"
+    probe = tmp / f"{slug(name)}-{block}-probe"
+    cmd = launch(name, block, size, out, probe)
+    files = [Path(f"{probe}.rank{r}.json") for r in range(2)]
+    log = Path(f"{out}.log")
+    if all(f.exists() for f in files) and log.exists() and (out / "metrics.jsonl").exists():
+        code, output, seconds, reused = 0, log.read_text(), None, True
+    else:
+        for f in files:
+            f.unlink(missing_ok=True)
+        started = time.perf_counter()
+        code, output = run(cmd + ["--overwrite_output_dir", "true"])
+        seconds, reused = time.perf_counter() - started, False
+        log.write_text(output)
+    result = {"block": block, "exit_code": code, "wall_seconds": seconds, "reused": reused}
+    if code == 0 and all(f.exists() for f in files):
+        result.update(point([json.loads(f.read_text()) for f in files]))
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        result["losses"] = [r["loss"] for r in records if "tokens_per_sec" in r]
+        line = next((x for x in output.splitlines() if x.startswith("distributed:")), "")
+        result["distributed_line"] = line
+    else:
+        result["command"] = " ".join(f"'{c}'" if c.startswith("{") else c for c in cmd)
+        result["output_tail"] = output[-3000:]
+    return result
+
+
+def trains_within(p: dict | None, budget: float) -> bool:
+    """A run trains within the budget: it exited 0 and its per-rank peak is at most the budget."""
+    return bool(p) and p.get("exit_code") == 0 and "peak_bytes" in p and p["peak_bytes"] <= budget
+
+
+def predicted_peak(points: dict[int, dict], block: int) -> float | None:
+    """The per-rank peak at `block`, linear in the length through the two measured blocks nearest below it
+    (None with fewer than two)."""
+    known = sorted(b for b, p in points.items() if "peak_bytes" in p and b < block)
+    if len(known) < 2:
+        return None
+    b1, b2 = known[-2:]
+    p1, p2 = points[b1]["peak_bytes"], points[b2]["peak_bytes"]
+    return p2 + (p2 - p1) / (b2 - b1) * (block - b2)
+
+
+def longest(fits, start: int, quantum: int, resolution: float, limit: int) -> dict:
+    """The longest multiple of `quantum` for which fits(length) holds, assuming it holds below some length
+    and not above: doubling from `start` (or halving while it fails) to a bracket [lo, hi), then bisection
+    until hi - lo <= max(quantum, lo * resolution). `limit`: the longest length tried (hi is then None when
+    every length up to it fits). Returns lo (0 if not even `quantum` fits), hi and the lengths tried in order."""
+    tried = []
+
+    def ok(n):
+        tried.append(n)
+        return fits(n)
+
+    lo, hi = 0, None
+    n = start
+    if ok(n):
+        lo = n
+        while n * 2 <= limit:
+            n *= 2
+            if not ok(n):
+                hi = n
+                break
+            lo = n
+    else:
+        hi = n
+        while n // 2 >= quantum and n // 2 % quantum == 0:
+            n //= 2
+            if ok(n):
+                lo = n
+                break
+            hi = n
+        if lo == 0:
+            return {"longest": 0, "shortest_failing": hi, "tried": tried}
+    while hi is not None and hi - lo > max(quantum, lo * resolution):
+        mid = (lo + hi) // 2 // quantum * quantum
+        if mid <= lo:
+            break
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"longest": lo, "shortest_failing": hi, "tried": tried}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def goals(configs: dict, searches: dict) -> dict:
+    """The three goal ratios, each at the largest block where both of its runs trained:
+    sp_activation: per-rank activation peak without SP / with SP=2 (untiled loss; and the tiled pair too),
+    tiled_loss_region: loss region untiled / tiled (SP=1), longest: longest within the budget, SP2 + tiled
+    loss (the best SP2 + tiling configuration run) / ZeRO-3 alone."""
+
+    def pair(a, b, key):
+        common = sorted(set(ok_blocks(configs.get(a, {}))) & set(ok_blocks(configs.get(b, {}))))
+        if not common:
+            return {"block": None, "ratio": None, "met": False, "by_block": {}}
+        by = {n: ratio(configs[a][n][key], configs[b][n][key]) for n in common}
+        return {"block": common[-1], "ratio": by[common[-1]], "by_block": by}
+
+    out = {
+        "sp_activation": pair(TODAY, SP, "activation_bytes"),
+        "sp_activation_tiled": pair(TILED, SP_TILED, "activation_bytes"),
+        "tiled_loss_region": pair(TODAY, TILED, "loss_region_bytes"),
+    }
+    for key in ("sp_activation", "sp_activation_tiled"):
+        out[key]["goal"] = GOALS["sp_activation"]
+    out["tiled_loss_region"]["goal"] = GOALS["tiled_loss_region"]
+    sp_tiled = [n for n, (sp, tl, _m) in CONFIGS.items() if sp == 2 and tl and n in searches]
+    best = max(sp_tiled, key=lambda n: searches[n]["longest"], default=None)
+    base = searches.get(TODAY, {}).get("longest")
+    out["longest"] = {
+        "config": best,
+        "longest": searches[best]["longest"] if best else None,
+        "baseline": base,
+        "ratio": ratio(searches[best]["longest"], base) if best else None,
+        "goal": GOALS["longest"],
+    }
+    for x in out.values():
+        x["met"] = x["ratio"] is not None and x["ratio"] >= x["goal"]
+    return out
+
+
+def ok_blocks(points: dict) -> list[int]:
+    return sorted(b for b, p in points.items() if p.get("exit_code") == 0 and "peak_bytes" in p)
+
+
+def slug(name: str) -> str:
+    return "-".join("".join(ch if ch.isalnum() else " " for ch in name.lower()).split())
+
+
+def measure(size: dict, tmp: Path, cap: float) -> tuple[dict, dict]:
+    """Returns the points ({config: {block: point}}) and the searches ({budget label: {config: search}})."""
+    """The sweep, then the search per configuration; runs are shared (one per configuration and length)."""
+    points: dict[str, dict[int, dict]] = {name: {} for name in size["configs"]}
+
+    def get(name: str, block: int) -> dict:
+        if block not in points[name]:
+            guess = predicted_peak(points[name], block)
+            if guess is not None and guess > cap:
+                points[name][block] = {"block": block, "skipped": f"predicted {guess / GiB:.1f} GiB per rank > cap"}
+                print(f"  {name} @ {block}: skipped (predicted {guess / GiB:.1f} GiB per rank)", flush=True)
+            else:
+                p = points[name][block] = measure_point(name, block, size, tmp)
+                state = (
+                    f"peak {p['peak_bytes'] / GiB:.2f} GiB, activations {p['activation_bytes'] / GiB:.2f}, "
+                    f"loss region {p['loss_region_bytes'] / GiB:.2f}"
+                    if "peak_bytes" in p
+                    else f"FAILED (exit {p['exit_code']})"
+                )
+                took = "read back" if p["reused"] else f"{p['wall_seconds']:.0f} s"
+                print(f"  {name} @ {block}: {state} ({took})", flush=True)
+        return points[name][block]
+
+    for name in size["configs"]:
+        for block in size["blocks"]:
+            get(name, block)
+    searches = {}
+    for budget in size["budgets"]:
+        found = searches[budget_label(budget)] = {}
+        for name in size["search"]:
+            found[name] = longest(
+                lambda n, name=name: trains_within(get(name, n), budget),
+                size["blocks"][0],
+                size["quantum"],
+                size["resolution"],
+                size["limit"],
+            )
+            print(f"  {name}: longest within {budget / GiB:.2f} GiB: {found[name]['longest']}", flush=True)
+    return points, searches
+
+
+def budget_label(budget: float) -> str:
+    return f"{budget / GiB:.2f} GiB"
+
+
+def loss_parity(points: dict) -> dict:
+    """Tiled against untiled loss at the same SP size and block: the same rows, so the same losses (fp32)."""
+    out = {}
+    for a, b in ((TODAY, TILED), (SP, SP_TILED)):
+        for block in sorted(set(ok_blocks(points.get(a, {}))) & set(ok_blocks(points.get(b, {})))):
+            la, lb = points[a][block]["losses"], points[b][block]["losses"]
+            out[f"{b} vs {a} @ {block}"] = max(abs(x - y) for x, y in zip(la, lb)) if la and lb else None
+    return out
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, pts in r["points"].items():
+        xs = [int(b) for b in sorted(pts, key=int) if "peak_bytes" in pts[b]]
+        if xs:
+            ax.plot(xs, [pts[str(b)]["peak_bytes"] / GiB for b in xs], marker="o", label=name)
+    for budget, style in zip(r["settings"]["budgets_bytes"], ("--", ":", "-.")):
+        ax.axhline(budget / GiB, color="grey", linestyle=style, label=f"budget {budget_label(budget)}")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:,.0f}"))
+    ax.set_xlabel("sequence length (tokens per sequence)")
+    ax.set_ylabel("per-rank peak, GiB (allocator events)")
+    ax.set_title(f"Per-rank peak vs sequence length, 2 ranks, V = {r['settings']['vocab_size']:,}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def growth(points: dict) -> dict | None:
+    """Peak per 1,024 tokens and the intercept at 0, through the two longest blocks in the sweep that trained
+    (points keyed by block, as ints or strings)."""
+    ok = sorted((int(b), p["peak_bytes"]) for b, p in points.items() if p.get("exit_code") == 0 and "peak_bytes" in p)
+    if len(ok) < 2:
+        return None
+    (b1, p1), (b2, p2) = ok[-2:]
+    slope = (p2 - p1) / (b2 - b1)
+    return {"per_1024": slope * 1024, "intercept": p2 - slope * b2, "blocks": [b1, b2]}
+
+
+def states_spread(points: dict) -> dict:
+    """The widest range of the model states over one configuration's runs (they do not depend on the length,
+    so the range is the runs' noise): {bytes, config, min, max}."""
+    best = {"bytes": 0, "config": None, "min": None, "max": None}
+    for name, pp in points.items():
+        states = [p["states_bytes"] for p in pp.values() if "states_bytes" in p]
+        if states and max(states) - min(states) >= best["bytes"]:
+            best = {"bytes": max(states) - min(states), "config": name, "min": min(states), "max": max(states)}
+    return best
+
+
+def gib(b: float | None) -> str:
+    return "—" if b is None else f"{b / GiB:.2f}"
+
+
+def fmt_ratio(x: dict) -> str:
+    return "—" if x["ratio"] is None else f"{x['ratio']:.2f}x"
+
+
+def markdown(r: dict, png: str) -> str:
+    s, pts, g = r["settings"], r["points"], r["goals"]
+    code = s.get("code", {"commit": "unknown", "uncommitted": []})
+    blocks = sorted({int(b) for p in pts.values() for b in p})
+    lines = [f"# Long context: tiled loss and sequence parallelism, {r['date']}", "", f"Command: `{r['command']}`", ""]
+    lines += [
+        f"Model: the embedded tiny Llama with `--model_config '{json.dumps(s['model'])}'` "
+        f"({r['parameters']:,} parameters), fp32, ZeRO-3 on 2 ranks, one sequence per rank (under SP=2 the two "
+        f"ranks share one sequence, each holding half of it), {s['steps']} optimizer steps per run. Budgets for "
+        f"the search: {', '.join(budget_label(b) for b in s['budgets_bytes'])} per rank. Whole benchmark: "
+        f"{s['wall_seconds'] / 60:.1f} min, {s['runs']} runs ({s.get('reused', 0)} read back from an earlier "
+        "invocation's work directory). Code: commit {code['commit'][:10]}"
+        + (f" with uncommitted changes in {', '.join(code['uncommitted'])}" if code["uncommitted"] else "")
+        + ".",
+        "",
+        "## Goals",
+        "",
+        "| goal | measured | target | met |",
+        "|---|---|---|---|",
+    ]
+    a, at, b = g["sp_activation"], g["sp_activation_tiled"], g["tiled_loss_region"]
+    lines += [
+        f"| (a) SP=2 cuts the per-rank activation peak, same length (untiled loss: {TODAY} / {SP}, at {a['block']}) "
+        f"| {fmt_ratio(a)} | ≥ {a['goal']}x | {yes(a['met'])} |",
+        f"| (a') the same with the tiled loss ({TILED} / {SP_TILED}, at {at['block']}) | {fmt_ratio(at)} | "
+        f"≥ {at['goal']}x | {yes(at['met'])} |",
+        f"| (b) tiled loss cuts the loss region at V = {s['vocab_size']:,} ({TODAY} / {TILED}, at {b['block']}) | "
+        f"{fmt_ratio(b)} | ≥ {b['goal']}x | {yes(b['met'])} |",
+    ]
+    for label, c in r["longest_by_budget"].items():
+        lines.append(
+            f"| (c) longest trainable sequence within {label} per rank: {c['config']} ({c['longest']}) / {TODAY} "
+            f"({c['baseline']}) | {fmt_ratio(c)} | ≥ {c['goal']}x | {yes(c['met'])} |"
+        )
+    lines += [
+        "",
+        "Each ratio is taken at the longest block where both of its runs trained; by block: "
+        + "; ".join(
+            f"{k} " + ", ".join(f"{n}: {v:.2f}x" for n, v in g[k]["by_block"].items() if v)
+            for k in ("sp_activation", "sp_activation_tiled", "tiled_loss_region")
+        )
+        + ".",
+        "",
+        f"![per-rank peak vs sequence length]({png})",
+        "",
+        "## Per-rank peak of the optimizer steps, GiB (largest over the 2 ranks)",
+        "",
+        "| configuration | " + " | ".join(str(n) for n in blocks) + " |",
+        "|---|" + "---|" * len(blocks),
+    ]
+
+    def cell(p, key):
+        if p is None:
+            return ""
+        if "skipped" in p:
+            return "not run (over cap)"
+        if key not in p:
+            return f"**failed** (exit {p['exit_code']})"
+        return gib(p[key])
+
+    for key, title in (
+        ("peak_bytes", None),
+        ("states_bytes", "Model states (live bytes when a forward starts), GiB"),
+        ("activation_bytes", "Activation peak (peak from forward to optimizer step - model states), GiB"),
+        (
+            "loss_region_bytes",
+            "Loss region (head + loss: peak from the final norm to its gradient - live bytes there), GiB",
+        ),
+    ):
+        if title:
+            lines += ["", f"## {title}", "", "| configuration | " + " | ".join(str(n) for n in blocks) + " |"]
+            lines += ["|---|" + "---|" * len(blocks)]
+        for name, p in pts.items():
+            lines.append(f"| {name} | " + " | ".join(cell(p.get(str(n)), key) for n in blocks) + " |")
+    lines += [
+        "",
+        "## Per-token growth",
+        "",
+        "Per-rank peak added per 1,024 more tokens of sequence, between the two longest lengths each configuration "
+        "trained (sweep or search), and the peak those two points extrapolate to at length 0 (the fixed part: model "
+        "states, ZeRO-3's gathered weights, one loss tile).",
+        "",
+        "| configuration | GiB per 1,024 tokens | fixed part, GiB | between |",
+        "|---|---|---|---|",
+    ]
+    for name, pp in pts.items():
+        g2 = growth(pp)
+        if g2:
+            lines.append(
+                f"| {name} | {g2['per_1024'] / GiB:.3f} | {gib(g2['intercept'])} | {g2['blocks'][0]}–{g2['blocks'][1]} |"
+            )
+    lines += [
+        "",
+        "## Longest sequence within the budget",
+        "",
+        "| budget per rank | configuration | longest that trained within the budget | shortest that did not | "
+        "lengths tried, in order |",
+        "|---|---|---|---|---|",
+    ]
+    for label, found in r["searches"].items():
+        for name, x in found.items():
+            lines.append(
+                f"| {label} | {name} | {x['longest']} | {x['shortest_failing'] or '—'} | "
+                f"{', '.join(map(str, x['tried']))} |"
+            )
+    failed = [(n, b, p) for n, pp in pts.items() for b, p in pp.items() if p.get("exit_code") not in (None, 0)]
+    spread = states_spread(pts)
+    spread["matrix"] = s["vocab_size"] * s.get("hidden_size", 128) * 4
+    parity = r["loss_parity"]
+    lines += [
+        "",
+        "## Method",
+        "",
+        "- Each point: `deepspeed --num_gpus 2` running train.py's main() under "
+        "zero_recipes/bench/longctx_probe.py (torch.profiler, profile_memory, every rank): the running sum of "
+        "the CPU allocator's events is the live torch bytes (exact for tensors; not the Python heap or "
+        "libraries). The peak is that of the optimizer steps (train.py's loop.train_step); the export at the "
+        "end is left out. No held-out split (`--validation_split_percentage 0`): train.py's eval would compute "
+        "whole-sequence logits on every rank.",
+        "- The split: model states = live bytes when the step's forward starts; activation peak = the step's "
+        "peak from there to the optimizer step minus the model states (this includes ZeRO-3's gathered "
+        "weights of the layer running, e.g. the 64 MiB head at V = 128k, and the head's weight gradient); loss "
+        "region = peak from the final norm's output to the arrival of its gradient minus the live bytes at the "
+        "norm (logits or tiles of them, their fp32 log-softmax and gradients). The last step is used (the "
+        "first has no Adam states yet); each figure is the larger of the two ranks'.",
+        f"- Search: from the sweep's shortest block, doubling (or halving) then bisection on multiples of "
+        f"{s['quantum']} tokens until the bracket is within {s['resolution']:.0%} of its lower end; a length "
+        "trains within the budget when train.py exits 0 and the measured peak is at most the budget. Runs the "
+        f"measured peaks predict over {gib(s['cap_bytes'])} GiB per rank (the machine's cap, linear in the "
+        "length) are not launched.",
+        f"- Run-to-run noise: the model states do not depend on the length, yet over the runs of one "
+        f"configuration they spread by up to {gib(spread['bytes'])} GiB ({spread['config']}: "
+        f"{gib(spread['min'])}–{gib(spread['max'])} GiB), in steps of about one {spread['matrix'] / 2**20:.0f} MiB "
+        "vocabulary x hidden fp32 matrix (the size of the embedding, the head and their gradients) that is alive at "
+        "some steps' start and not at others'. A peak within that distance of the budget could land on the "
+        "other side of it in a rerun; the activation peaks and loss regions (differences within one step) do "
+        "not move this way.",
+        "- Loss check, tiled against untiled on the same rows (fp32): max |Δloss| "
+        + ", ".join(f"{k}: {v:.2g}" for k, v in parity.items() if v is not None)
+        + ".",
+        "- train.py's mesh lines: "
+        + "; ".join(
+            f"{n}: `{next((p['distributed_line'] for p in pp.values() if p.get('distributed_line')), '')}`"
+            for n, pp in pts.items()
+        )
+        + ".",
+    ]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        for name, block, p in failed:
+            tail = "\n".join(p.get("output_tail", "").splitlines()[-12:])
+            lines += [
+                f"{name} at {block} (exit {p['exit_code']}): `{p.get('command', '')}`",
+                "",
+                "```",
+                tail,
+                "```",
+                "",
+            ]
+    lines += ["", *footer(r)]
+    return "\n".join(lines) + "\n"
+
+
+def code_state() -> dict:
+    """The commit the runs used and the files that differed from it when the benchmark started."""
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    changed = [x[3:] for x in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted": changed}
+
+
+def render(path: Path) -> int:
+    """The .md and .png again from a report's .json (after a change to their layout; nothing is rerun)."""
+    result = json.loads(path.read_text())
+    plot(result, path.with_suffix(".png"))
+    write_report(str(path.parent), path.stem, result, markdown(result, path.with_suffix(".png").name))
+    return 0
+
+
+def cmd_longctx(args) -> int:
+    if args.render:
+        return render(Path(args.render))
+    size = dict(SIZES["quick" if args.quick else "full"])
+    if args.budget_gib:
+        size["budgets"] = [b * GiB for b in args.budget_gib]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = 0.35 * ram  # per rank: two ranks and the launcher stay within the machine's RAM
+    started = time.perf_counter()
+    code = code_state()
+    tmp = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="zr-bench-longctx-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    keep = {k: size[k] for k in ("model", "steps", "loss_tile_tokens")}
+    saved = tmp / "settings.json"
+    if saved.exists() and json.loads(saved.read_text()) != keep:
+        print(f"error: {tmp} holds runs made with other settings: {saved.read_text().strip()}", file=sys.stderr)
+        return 2
+    saved.write_text(json.dumps(keep) + "\n")
+    print(f"runs and logs in {tmp}", flush=True)
+    points, searches = measure(size, tmp, cap)
+    from transformers import LlamaConfig
+
+    from zero_recipes.model import count_params_meta
+
+    from .parallel import model_fields
+
+    fields = model_fields(size["model"])
+    fields.pop("model_type", None)
+    settings = {
+        "model": size["model"],
+        "vocab_size": fields["vocab_size"],
+        "hidden_size": fields["hidden_size"],
+        "blocks": size["blocks"],
+        "budgets_bytes": size["budgets"],
+        "cap_bytes": cap,
+        "quantum": size["quantum"],
+        "resolution": size["resolution"],
+        "steps": size["steps"],
+        "runs": sum(1 for pp in points.values() for p in pp.values() if "skipped" not in p),
+        "reused": sum(1 for pp in points.values() for p in pp.values() if p.get("reused")),
+        "code": code,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    result = new_report(
+        settings=settings,
+        parameters=count_params_meta(LlamaConfig(**fields)),
+        configs={n: {"sp": sp, "tiled_loss": tl, "tiled_mlp": tm} for n, (sp, tl, tm) in CONFIGS.items()},
+        goals=goals(points, searches[budget_label(size["budgets"][0])]),
+        longest_by_budget={label: goals(points, found)["longest"] for label, found in searches.items()},
+        searches=searches,
+        loss_parity=loss_parity(points),
+        points={n: {str(b): p for b, p in sorted(pp.items())} for n, pp in points.items()},
+    )
+    name = f"longctx-{result['date']}"
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plot(result, out / f"{name}.png")
+    write_report(args.out_dir, name, result, markdown(result, f"{name}.png"))
+    for key, x in [*result["goals"].items(), *result["longest_by_budget"].items()]:
+        print(f"{key}: {fmt_ratio(x)} (goal {x['goal']}x: {'met' if x['met'] else 'NOT met'})")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("longctx", help="tiled loss and Ulysses SP=2 on 2 ranks: per-rank peak vs length, longest")
+    p.add_argument("--quick", action="store_true", help="tiny blocks, 4 configurations (for tests)")
+    p.add_argument(
+        "--budget-gib", type=float, nargs="+", help="per-rank budgets, one search each (default: 1.5 1.75; quick 0.3)"
+    )
+    p.add_argument("--work-dir", help="keep the runs here; a run already complete there is read back, not relaunched")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where longctx-DATE.{md,json,png} go")
+    p.add_argument("--render", metavar="JSON", help="rewrite the .md and .png of an existing report; runs nothing")
+    p.set_defaults(func=cmd_longctx)
