@@ -168,3 +168,24 @@ def test_eval_row_sums_equal_the_logits_path():
         got = model(input_ids=ids, eval_targets=targets)["row_stats"]
     assert torch.allclose(got, want, rtol=1e-6)
     assert got[2].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_installed_forward_under_a_peft_lora_wrapper_matches_the_models_own():
+    """LoRA recipes at long blocks tile their loss too: peft calls the inner model's forward, the replaced one."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(0, V, (2, 48))
+    labels = sft_labels(ids)
+    results = []
+    for install in (False, True):
+        model = tiny_llama()
+        if install:
+            lm_loss.install(model, tokens_per_tile=20, tiled=True, zero3=False)
+        torch.manual_seed(1)
+        peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        results.append(loss_and_grads(peft, input_ids=ids, labels=labels))
+    (ref_loss, ref), (got_loss, got) = results
+    assert abs(got_loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    assert got.keys() == ref.keys() and any("lora_A" in n for n in got)
+    for name in ref:
+        assert (got[name] - ref[name]).abs().max() <= 1e-6 * max(ref[name].abs().max(), 1e-3), name
