@@ -304,7 +304,8 @@ def print_table(t: dict) -> None:
     for n in GPU_COUNTS:
         b = t["recommended"].get(n)
         print(f"{n:>3d} GPU(s): " + (recommendation(b, t["lora_r"]) if b else "nothing fits"))
-    print_longest(t["longest_sequence"], t["gpu_memory"])
+    if t["longest_sequence"]:
+        print_longest(t["longest_sequence"], t["gpu_memory"])
 
 
 def print_longest(ls: dict, gpu_memory: int) -> None:
@@ -377,6 +378,12 @@ def main(argv: list[str]) -> int:
     lora.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the frozen base's linear weights in NF4")
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
+    ap.add_argument(
+        "--longest_sequence",
+        choices=("true", "false"),
+        default="true",
+        help="--table: also search the longest sequence that fits per GPU count (about a minute for an 8B model)",
+    )
     ap.add_argument("--tokens", type=float, help="training tokens: adds total FLOPs, time, GPU-hours and energy")
     ap.add_argument("--gpu", default="H100", help="GPU for --tokens (peak FLOP/s and board power), default H100")
     ap.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for --tokens (default 0.40)")

@@ -178,6 +178,13 @@ def test_table_marks_what_fits_and_recommends_the_least_offload(config_json):
     assert t["recommended"]["64"]["config"] in ("zero1", "zero2", "zero3")  # enough GPUs: no offload needed
     assert t["recommended"]["64"]["lora_r"] == 0  # and full fine-tuning fits, so no LoRA either
     assert rec["max_micro_batch_size"] >= 1
+    # and the longest sequence per GPU count, sequence parallel over all of them: more GPUs, longer sequences;
+    # 8 is refused as train.py would (the model's 4 heads)
+    rows = t["longest_sequence"]["rows"]
+    assert all("4 attention heads" in r["refused"] for r in rows if r["num_gpus"] == 8)
+    longest = {(r["num_gpus"], r["gradient_checkpointing"]): r["seq_len"] or 0 for r in rows if r["num_gpus"] < 8}
+    for gc in (False, True):
+        assert longest[1, gc] <= longest[2, gc] <= longest[4, gc] and longest[4, gc] > 0
 
 
 def test_tokens_gives_compute_consistent_with_6nd(tmp_path):
@@ -329,6 +336,7 @@ def test_table_has_tensor_parallel_columns_within_a_node(config_json):
     the model's 2 key-value heads refuse 4 and 8, as train.py would. Every recommendation keeps its TP group
     inside a node, also on several nodes."""
     args = ["--model", str(config_json), "--deepspeed", "ds_configs/bf16.json", "--seq_len", "512"]
+    args += ["--longest_sequence", "false"]  # checked in the test above
     t = _tp_json(*args, "--table", "--gpu_memory", "80GiB")
     assert t["tensor_parallel_tried"] == [2]
     assert any("autotp_size 4" in n for n in t["notes"])

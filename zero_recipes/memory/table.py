@@ -199,7 +199,9 @@ def table(args, gpu_memory: int, load) -> dict:
                 choice = first_fitting(order, fitting, lambda v, ds_n, gc, micro: run(v, ds_n, n, gc, micro), micro0)
                 if choice:
                     into[n] = choice
-        longest = longest_rows(args, cfg, config, extra, fragment[1], load, gpu_memory, notes)
+        longest = None  # --longest_sequence false: the table alone (the search costs about a minute for an 8B)
+        if getattr(args, "longest_sequence", "true") != "false":
+            longest = longest_rows(args, cfg, config, extra, fragment[1], load, gpu_memory, notes)
     return {
         "num_params": variants[0]["shape"].num_params,
         "precision": precision,
@@ -214,7 +216,8 @@ def table(args, gpu_memory: int, load) -> dict:
         "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if lora_rows else None,
         "recommended": best,
         "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
-        "longest_sequence": {
+        "longest_sequence": longest
+        and {
             "config": LONGEST_CONFIG,
             "precision": precision,
             "micro_batch_size": micro0,
