@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,9 @@ def measure_point(name: str, block: int, size: dict, tmp: Path) -> dict:
         result.update(point([json.loads(f.read_text()) for f in files]))
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         result["losses"] = [r["loss"] for r in records if "tokens_per_sec" in r]
+        for child in out.iterdir():  # the checkpoint and the export: ~0.5 GB a run at a 128k vocabulary
+            if child.name != "metrics.jsonl":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
         line = next((x for x in output.splitlines() if x.startswith("distributed:")), "")
         result["distributed_line"] = line
     else:
@@ -383,7 +387,7 @@ def markdown(r: dict, png: str) -> str:
         f"ranks share one sequence, each holding half of it), {s['steps']} optimizer steps per run. Budgets for "
         f"the search: {', '.join(budget_label(b) for b in s['budgets_bytes'])} per rank. Whole benchmark: "
         f"{s['wall_seconds'] / 60:.1f} min, {s['runs']} runs ({s.get('reused', 0)} read back from an earlier "
-        "invocation's work directory). Code: commit {code['commit'][:10]}"
+        f"invocation's work directory). Code: commit {code['commit'][:10]}"
         + (f" with uncommitted changes in {', '.join(code['uncommitted'])}" if code["uncommitted"] else "")
         + ".",
         "",
@@ -539,10 +543,10 @@ def code_state() -> dict:
     """The commit the runs used and the files that differed from it when the benchmark started."""
 
     def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
 
-    changed = [x[3:] for x in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted": changed}
+    changed = [x[3:] for x in git("status", "--porcelain", "--untracked-files=no").splitlines() if x.strip()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "uncommitted": changed}
 
 
 def render(path: Path) -> int:
