@@ -385,9 +385,10 @@ def markdown(r: dict, png: str) -> str:
         f"Model: the embedded tiny Llama with `--model_config '{json.dumps(s['model'])}'` "
         f"({r['parameters']:,} parameters), fp32, ZeRO-3 on 2 ranks, one sequence per rank (under SP=2 the two "
         f"ranks share one sequence, each holding half of it), {s['steps']} optimizer steps per run. Budgets for "
-        f"the search: {', '.join(budget_label(b) for b in s['budgets_bytes'])} per rank. Whole benchmark: "
-        f"{s['wall_seconds'] / 60:.1f} min, {s['runs']} runs ({s.get('reused', 0)} read back from an earlier "
-        f"invocation's work directory). Code: commit {code['commit'][:10]}"
+        f"the search: {', '.join(budget_label(b) for b in s['budgets_bytes'])} per rank. This invocation: "
+        f"{s['wall_seconds'] / 60:.1f} min, {s['runs']} runs, {s.get('reused', 0)} of them read back from earlier "
+        "invocations into its work directory (same model, steps and loss tile; their commits are not recorded "
+        f"here). Code of this invocation: commit {code['commit'][:10]}"
         + (f" with uncommitted changes in {', '.join(code['uncommitted'])}" if code["uncommitted"] else "")
         + ".",
         "",
