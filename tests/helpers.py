@@ -174,3 +174,32 @@ def one_error_line(proc) -> str:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ")
     return lines[0]
+
+
+# ---- shared by the parallelism tests (tensor and sequence parallel) ------------------------------------
+def step_losses(run) -> dict:
+    """{step: loss} of a finished launch's metrics records."""
+    return {r["step"]: r["loss"] for r in run.records if "loss" in r}
+
+
+def export_diff(run) -> float:
+    """The export check's max |logits(reloaded) - logits(engine)| a `--verify_export` run recorded."""
+    return next(r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r)
+
+
+def at_step_4(run_dir, dest):
+    """A copy of a finished 8-step run as it was right after its step-4 checkpoint."""
+    import shutil
+
+    shutil.copytree(run_dir, dest)
+    shutil.rmtree(dest / "checkpoints" / "step-8")
+    (dest / "checkpoints" / "latest").write_text("step-4")
+    return dest
+
+
+def train_as_world(world: int, *args):
+    """train.py --dry_run as rank 0 of `world` ranks: refusals happen before any process group starts."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
+    return subprocess.run(
+        [sys.executable, "train.py", *args, "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True
+    )

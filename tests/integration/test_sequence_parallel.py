@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from helpers import CONFIGS, FAST, REPO, launch, one_error_line
+from helpers import (
+    CONFIGS,
+    FAST,
+    REPO,
+    at_step_4,
+    export_diff,
+    fault_env,
+    launch,
+    one_error_line,
+    remove_shm,
+    step_losses,
+    train_as_world,
+)
 from zero_recipes.shipped import SEQUENCE_PARALLEL
 
 SP2 = SEQUENCE_PARALLEL[2]
@@ -56,21 +66,13 @@ def sp_run(tmp_path_factory):
     return get
 
 
-def losses(run) -> dict:
-    return {r["step"]: r["loss"] for r in run.records if "loss" in r}
-
-
-def export_diff(run) -> float:
-    return next(r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fp32_losses_match_zero0_on_the_same_global_batch(name, sp_run, trained):
     nproc = LAYOUTS[name][0]
     run, base = sp_run(name), trained("zero0", "fp32").check()
     assert f"distributed: {nproc} ranks = {nproc // 2} data-parallel x 2 sequence-parallel" in run.log
     assert "plan: 8 steps x 8 sequences x 64 tokens" in run.log  # the "auto" batch counts replicas, not ranks
-    got, want = losses(run), losses(base)
+    got, want = step_losses(run), step_losses(base)
     assert sorted(got) == list(range(1, 9))
     assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
     # clipping sees the gradient of the whole batch: a wrong SP scale would show in the norm (ZeRO-3 halved it)
@@ -98,7 +100,7 @@ def test_sft_matches_zero0_losses_eval_and_exact_match_packed_or_not(packing, tm
         tmp_path / "sp",
     ).check()  # fmt: skip
     assert "loss: head and cross-entropy in tiles of 50 tokens" in sp.log
-    got, want = losses(sp), losses(base)
+    got, want = step_losses(sp), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= SFT_PARITY, (got, want)
     # eval runs whole rows without SP, each rank its own share: every row counted once
     ev_sp, ev_base = [[r for r in run.records if "eval_loss" in r][-1] for run in (sp, base)]
@@ -110,7 +112,7 @@ def test_the_tiled_loss_equals_the_untiled_one_without_sp(trained, tmp_path):
     base = trained("zero2", "fp32").check()
     tiled = launch(FAST + ["--deepspeed", *CONFIGS["zero2"], "--loss_tile_tokens", "48"], tmp_path / "t").check()
     assert "in tiles of 48 tokens" in tiled.log and "in tiles" not in base.log
-    got, want = losses(tiled), losses(base)
+    got, want = step_losses(tiled), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= 1e-6, (got, want)
 
 
@@ -121,15 +123,8 @@ def test_tiled_mlp_trains_to_the_same_losses_under_zero3(tmp_path):
     run = launch(sp_args("sp2-zero3") + narrow + ["--tiled_mlp", "true"], tmp_path / "tiled").check()
     plain = launch(sp_args("sp2-zero3") + narrow, tmp_path / "plain").check()
     assert "decoder MLPs run in tiles of 16 tokens" in run.log
-    got, want = losses(run), losses(plain)
+    got, want = step_losses(run), step_losses(plain)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
-
-
-def at_step_4(run_dir, dest):
-    shutil.copytree(run_dir, dest)
-    shutil.rmtree(dest / "checkpoints" / "step-8")
-    (dest / "checkpoints" / "latest").write_text("step-4")
-    return dest
 
 
 @pytest.mark.parametrize("name", ["sp2-zero1", "sp2-zero3"])
@@ -137,7 +132,19 @@ def test_resume_on_the_same_layout_is_bit_for_bit(name, sp_run, tmp_path):
     full = sp_run(name)
     out = at_step_4(full.output_dir, tmp_path / "run")
     again = launch(sp_args(name) + ["--resume_from_checkpoint", "auto"], out).check()
-    got, want = losses(again), losses(full)
+    got, want = step_losses(again), step_losses(full)
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
+
+
+def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(sp_run, tmp_path):
+    full = sp_run("sp2-zero1")
+    out = tmp_path / "run"
+    killed = launch(sp_args("sp2-zero1"), out, env=fault_env(kill="after_save:4:1"))
+    remove_shm(killed.port)
+    assert killed.proc.returncode != 0
+    again = launch(sp_args("sp2-zero1"), out).check()
+    assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
+    got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
 
 
@@ -156,7 +163,7 @@ def test_a_universal_resume_moves_to_another_layout(nproc, configs, words, sp_ru
     args = FAST + ["--deepspeed", *CONFIGS["zero1"], *configs, *size, "--save_steps", "4"]
     run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=nproc).check()
     assert words in run.log and "step-4-universal at step 4" in run.log
-    got, want = losses(run), losses(full)
+    got, want = step_losses(run), step_losses(full)
     assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
 
 
@@ -180,13 +187,6 @@ def test_export_tool_writes_the_trained_model(sp_run, tmp_path):
 
 
 # ---- bad input: one line, exit 2, before any process group (a single process stands in for the ranks) ----
-
-
-def train_as_world(world: int, *args):
-    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
-    return subprocess.run(
-        [sys.executable, "train.py", *args, "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True
-    )
 
 
 @pytest.mark.parametrize(
@@ -233,6 +233,6 @@ def test_dry_run_draws_the_mesh():
 def test_bf16_packed_sft_trains_and_exports(tmp_path):
     args = FAST + ["--deepspeed", *CONFIGS["zero3"], SP2, "ds_configs/bf16.json", *micro(2), *SFT[:6]]
     run = launch(args + ["--loss_tile_tokens", "50", "--verify_export"], tmp_path / "run").check()
-    got = losses(run)
+    got = step_losses(run)
     assert all(math.isfinite(x) for x in got.values()) and got[8] < got[1] - 0.5
     assert export_diff(run) <= 5e-2  # bf16: within a bf16 ulp of the logits (measured 0)

@@ -11,13 +11,24 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from helpers import CONFIGS, FAST, REPO, fault_env, launch, one_error_line, remove_shm
+from helpers import (
+    CONFIGS,
+    FAST,
+    REPO,
+    at_step_4,
+    export_diff,
+    fault_env,
+    launch,
+    one_error_line,
+    remove_shm,
+    step_losses,
+    train_as_world,
+)
 from zero_recipes.shipped import TENSOR_PARALLEL
 
 TP2 = TENSOR_PARALLEL[2]
@@ -64,21 +75,13 @@ def tp_run(tmp_path_factory):
     return get
 
 
-def losses(run) -> dict:
-    return {r["step"]: r["loss"] for r in run.records if "loss" in r}
-
-
-def export_diff(run) -> float:
-    return next(r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fp32_losses_match_zero0_on_the_same_global_batch(name, tp_run, trained):
     nproc = LAYOUTS[name][0]
     run, base = tp_run(name), trained("zero0", "fp32").check()
     assert f"distributed: {nproc} ranks = {nproc // 2} data-parallel x 2 tensor-parallel" in run.log
     assert "plan: 8 steps x 8 sequences x 64 tokens" in run.log  # the "auto" batch counts replicas, not ranks
-    got, want = losses(run), losses(base)
+    got, want = step_losses(run), step_losses(base)
     assert sorted(got) == list(range(1, 9))
     assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
     # gradient clipping sees the whole gradient: the norm over every shard, replicated parts counted once
@@ -114,16 +117,9 @@ def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
     run = launch(
         FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(2), *model, "--verify_export"], tmp_path / "tp"
     ).check()
-    got, want = losses(run), losses(base)
+    got, want = step_losses(run), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
     assert export_diff(run) <= PARITY
-
-
-def at_step_4(run_dir, dest):
-    shutil.copytree(run_dir, dest)
-    shutil.rmtree(dest / "checkpoints" / "step-8")
-    (dest / "checkpoints" / "latest").write_text("step-4")
-    return dest
 
 
 def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(tp_run, tmp_path):
@@ -134,7 +130,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_fo
     assert killed.proc.returncode != 0
     again = launch(tp_args("tp2-zero1"), out).check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
-    got, want = losses(again), losses(full)
+    got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
 
 
@@ -142,7 +138,7 @@ def test_zero3_tp_resumes_bit_for_bit_on_its_own_layout(tp_run, tmp_path):
     full = tp_run("tp2-zero3")
     out = at_step_4(full.output_dir, tmp_path / "run")
     again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out).check()
-    got, want = losses(again), losses(full)
+    got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
 
 
@@ -153,7 +149,7 @@ def test_a_universal_resume_moves_to_more_data_parallel_replicas_at_the_same_tp(
     run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4).check()
     assert "saved by 1 data-parallel x 2 tensor-parallel rank(s) with ZeRO-1, this run has 2 data-parallel" in run.log
     assert "step-4-universal at step 4" in run.log
-    got, want = losses(run), losses(full)
+    got, want = step_losses(run), step_losses(full)
     assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
 
 
@@ -210,7 +206,7 @@ SFT += ["--block_size", "128", "--gradient_checkpointing", "true", "--eval_steps
 def test_packed_sft_with_checkpointing_matches_zero0_losses_eval_and_exact_match(tmp_path):
     base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *SFT], tmp_path / "zero0").check()
     tp = launch(FAST + ["--deepspeed", *CONFIGS["zero2"], TP2, *micro(2), *SFT], tmp_path / "tp").check()
-    got, want = losses(tp), losses(base)
+    got, want = step_losses(tp), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= SFT_PARITY, (got, want)
     # eval rows are sharded by data-parallel rank and summed once per TP group: the same rows, the same result
     ev_tp, ev_base = [[r for r in run.records if "eval_loss" in r][-1] for run in (tp, base)]
@@ -223,20 +219,13 @@ def test_bf16_trains_and_exports(tmp_path):
         FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, "ds_configs/bf16.json", *micro(2), "--verify_export"],
         tmp_path / "run",
     ).check()
-    got = losses(run)
+    got = step_losses(run)
     assert all(math.isfinite(x) for x in got.values()) and got[8] < got[1] - 0.5
     assert export_diff(run) <= BF16_EXPORT_TOL
     assert json.loads((run.output_dir / "config.json").read_text())["model_type"] == "llama"
 
 
 # ---- bad input: one line, exit 2, before any process group (a single process stands in for the ranks) ----
-
-
-def train_as_world(world: int, *args):
-    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
-    return subprocess.run(
-        [sys.executable, "train.py", *args, "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True
-    )
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from zero_recipes.shipped import PRECISIONS, select
 
 from .common import REPO, footer, free_port, new_report, run_checked, write_report
 
-MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
+MODELS: dict = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
     "B": {
         "hidden_size": 512,
         "num_hidden_layers": 6,
@@ -38,15 +38,6 @@ MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M 
         "num_key_value_heads": 4,
         "intermediate_size": 1376,
         "vocab_size": 16000,
-    },
-    "L": {  # B with room for 4096 positions (the probe's embedded base allows 1024): the long-context points
-        "hidden_size": 512,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "intermediate_size": 1376,
-        "vocab_size": 16000,
-        "max_position_embeddings": 4096,
     },
     "T": {  # the embedded tiny Llama (model.TINY_LLAMA) with a 128k vocabulary: the loss region dominates
         "hidden_size": 128,
@@ -66,6 +57,8 @@ MODELS = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M 
         "vocab_size": 8000,
     },
 }
+# B with room for 4096 positions (the probe's embedded base allows 1024): the long-context points
+MODELS["L"] = {**MODELS["B"], "max_position_embeddings": 4096}
 CONFIGS = select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all")
 # (model, config, precision, ranks, micro-batch, seq len, gradient checkpointing)
 POINTS = [
