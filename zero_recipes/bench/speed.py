@@ -1,8 +1,8 @@
 """The speed benchmark: train.py against the HF Trainer and a bare DeepSpeed loop on identical work.
 
-Each run is its own process through the real `deepspeed` launcher with 2 ranks, in the order train.py,
-HF Trainer, bare loop, train.py --torch_compile, repeated (A/B/C/D/A/B/C/D), so drift in machine load
-hits all alike. All three
+Each run is its own process through the real `deepspeed` launcher with 2 ranks; the four runners alternate
+in rotated rounds (A B C D, B C D A, ...) and every ratio is the median of window-paired ratios within a round
+with a bootstrap interval (paired.py), so drift in machine load cancels. All three
 take train.py's flags, build the same model (same config, same seeded init), the same rows in the same
 per-rank order, the same torch AdamW and schedule and the same resolved DeepSpeed config; the baselines
 start from zero_recipes/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
@@ -16,6 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from . import paired
 from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
 HUNDRED_M = {
@@ -27,7 +28,7 @@ HUNDRED_M = {
 }
 SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, micro, steps, window)
     "tiny": (None, 256, 8, 30, 5),
-    "100M": (HUNDRED_M, 256, 2, 9, 3),
+    "100M": (HUNDRED_M, 256, 2, 15, 3),
 }
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
 RUNNERS = {
@@ -81,23 +82,23 @@ def run_one(runner: str, size, tmp: Path, tag: str) -> list[float]:
     return json.loads(timing.read_text())["window_seconds"]
 
 
-def measure(sizes: dict, pairs: int) -> dict:
+def measure(sizes: dict, rounds: int) -> dict:
+    """Each size: the runners in rotated rounds; every timing ratio paired within rounds (paired.py)."""
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-speed-"))
     out = {}
     for name, size in sizes.items():
         _model, block, micro, steps, window = size
         tokens = micro * block * 2 * window
-        rates = {r: [] for r in RUNNERS}
-        for rep in range(pairs):
-            for runner in RUNNERS:
-                seconds = run_one(runner, size, tmp, f"{name}-{rep}")
-                rates[runner] += [tokens / s for s in seconds[1:]]  # steady state: warm-up window left out
+        measured = []  # per round: runner -> steady-state window rates
+        for r, order in enumerate(paired.rotations(list(RUNNERS), rounds)):
+            measured.append({})
+            for runner in order:
+                seconds = run_one(runner, size, tmp, f"{name}-{r}")
+                measured[-1][runner] = [tokens / x for x in seconds[1:]]  # warm-up window left out
                 print(
-                    f"  {name} rep {rep + 1}/{pairs} {runner}: {statistics.median(rates[runner][-len(seconds) + 1 :]):,.0f} "
-                    "tokens/s",
-                    flush=True,
+                    f"  {name} round {r + 1}/{rounds} {runner}: {statistics.median(measured[-1][runner]):,.0f} tokens/s"
                 )
-        med = {r: statistics.median(v) for r, v in rates.items()}
+        rates = {runner: [x for m in measured for x in m[runner]] for runner in RUNNERS}
         out[name] = {
             "settings": {
                 "model_config": size[0] or "embedded tiny Llama",
@@ -108,13 +109,16 @@ def measure(sizes: dict, pairs: int) -> dict:
                 "ranks": 2,
                 "config": "ds_configs/zero2.json",
                 "precision": "fp32",
+                "rounds": rounds,
             },
             "tokens_per_sec": {
-                r: {"median": med[r], "min": min(v), "max": max(v), "windows": len(v)} for r, v in rates.items()
+                r: {"median": statistics.median(v), "min": min(v), "max": max(v), "windows": len(v)}
+                for r, v in rates.items()
             },
-            "vs_hf_trainer": med["train.py"] / med["HF Trainer"],
-            "vs_bare_loop": med["train.py"] / med["bare DeepSpeed loop"],
-            "compiled_vs_hf_trainer": med["train.py --torch_compile"] / med["HF Trainer"],
+            "rounds": measured,
+            "vs_hf_trainer": paired.ratio(measured, "train.py", "HF Trainer"),
+            "vs_bare_loop": paired.ratio(measured, "train.py", "bare DeepSpeed loop"),
+            "compiled_vs_hf_trainer": paired.ratio(measured, "train.py --torch_compile", "HF Trainer"),
             "goal_vs_hf_trainer": GOALS.get(name, 1.0),
             "goal_vs_bare_loop": GOALS["floor"],
         }
@@ -137,17 +141,20 @@ def markdown(r: dict) -> str:
             )
     lines += [
         "",
+        "Ratios: median of the window-paired ratios (runner A's window i over runner B's window i of the same "
+        "round), 95 % interval from a bootstrap over rounds and pairs (zero_recipes/bench/paired.py).",
+        "",
         "| model | train.py / HF Trainer | goal | met? | with --torch_compile | met? | "
-        "train.py / bare loop | goal | met? |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "train.py / bare loop | goal | met? | interval within ±3 %? |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in r["models"].items():
-        goal = m["goal_vs_hf_trainer"]
+        goal, floor = m["goal_vs_hf_trainer"], m["goal_vs_bare_loop"]
+        hf, comp, bare = m["vs_hf_trainer"], m["compiled_vs_hf_trainer"], m["vs_bare_loop"]
         lines.append(
-            f"| {name} | {m['vs_hf_trainer']:.3f} | >= {goal:g} | {yes(m['vs_hf_trainer'] >= goal)} | "
-            f"{m['compiled_vs_hf_trainer']:.3f} | {yes(m['compiled_vs_hf_trainer'] >= goal)} | "
-            f"{m['vs_bare_loop']:.3f} | >= {m['goal_vs_bare_loop']:g} | "
-            f"{yes(m['vs_bare_loop'] >= m['goal_vs_bare_loop'])} |"
+            f"| {name} | {paired.text(hf)} | >= {goal:g} | {yes(hf['median'] >= goal)} | {paired.text(comp)} | "
+            f"{yes(comp['median'] >= goal)} | {paired.text(bare)} | >= {floor:g} | {yes(bare['median'] >= floor)} | "
+            f"{yes(bare['half_width'] <= 0.03)} |"
         )
     for name, x in r["models"].items():
         s = x["settings"]
@@ -155,7 +162,8 @@ def markdown(r: dict) -> str:
         lines.append(
             f"- {name}: {json.dumps(s['model_config']) if isinstance(s['model_config'], dict) else s['model_config']}; "
             f"{s['config']}, {s['precision']}, {s['ranks']} ranks x 1 thread, micro-batch {s['micro_batch']} x "
-            f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out)."
+            f"{s['block_size']} tokens, {s['steps']} steps in windows of {s['window_steps']} (the first left out), "
+            f"{s['rounds']} rotated rounds."
         )
     lines += ["", *footer(r)]
     return "\n".join(lines) + "\n"
@@ -163,12 +171,15 @@ def markdown(r: dict) -> str:
 
 def cmd_train(args) -> int:
     sizes = QUICK if args.quick else SIZES
-    result = new_report(models=measure(sizes, args.pairs or (1 if args.quick else 2)))
+    if args.model:
+        sizes = {args.model: sizes[args.model]}
+    result = new_report(models=measure(sizes, args.rounds or (1 if args.quick else 4)))
     write_report(args.out_dir, f"train-{result['date']}", result, markdown(result))
     for name, m in result["models"].items():
         print(
-            f"{name}: train.py / HF Trainer = {m['vs_hf_trainer']:.3f} ({m['compiled_vs_hf_trainer']:.3f} with "
-            f"--torch_compile), train.py / bare loop = {m['vs_bare_loop']:.3f}"
+            f"{name}: train.py / HF Trainer = {paired.text(m['vs_hf_trainer'])} "
+            f"({paired.text(m['compiled_vs_hf_trainer'])} with --torch_compile), "
+            f"train.py / bare loop = {paired.text(m['vs_bare_loop'])}"
         )
     return 0
 
@@ -238,7 +249,8 @@ def add_parsers(sub) -> None:
     m.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where mfu-DATE.{md,json} go")
     m.set_defaults(func=cmd_mfu)
     t = sub.add_parser("train", help="tokens/s of train.py vs the HF Trainer vs a bare DeepSpeed loop")
-    t.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 repetition (for tests)")
-    t.add_argument("--pairs", type=int, help="repetitions of the A/B/C cycle (default 2)")
+    t.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round (for tests)")
+    t.add_argument("--rounds", type=int, help="rotated rounds of the four runners (default 4)")
+    t.add_argument("--model", choices=sorted(SIZES), help="one model size only (default: both)")
     t.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where train-DATE.{md,json} go")
     t.set_defaults(func=cmd_train)
