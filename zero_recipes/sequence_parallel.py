@@ -10,9 +10,9 @@ What train.py adds around DeepSpeed's pieces, and why:
   group already hold the same rows (the data order is sharded by data-parallel rank), so the adapter's
   all-gather of every rank's batch would move data each rank has. The cut is the adapter's: labels
   pre-shifted into `shift_labels`, position ids kept global, the attention mask dropped.
-- Packed rows stay apart (`per_document_sdpa`): DeepSpeed's Ulysses drops the attention mask and sdpa
-  would then attend causally across the whole row, letting packed examples see each other. The wrapper
-  runs sdpa once per example, found from the gathered position ids that restart at 0. flash-attention
+- Packed rows stay apart (`packed_attention.per_example_sdpa`): DeepSpeed's Ulysses drops the attention
+  mask and sdpa would then attend causally across the whole row, letting packed examples see each other. The
+  wrapper runs sdpa once per example, found from the gathered position ids that restart at 0. flash-attention
   keeps them apart itself (varlen from position ids); flex-attention does not (DeepSpeed rebuilds a plain
   causal mask), so packing with it is refused.
 - Eval and the export check run without SP (DeepSpeed's `disable_in_eval`): every rank evaluates whole
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from . import packed_attention
 from .config import ConfigError
 
 ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -112,11 +113,10 @@ def register_ulysses(cfg, model_config, mesh):
     """Swap Ulysses into transformers' attention table (before the model is built) and create DeepSpeed's
     SP groups. Collective. Returns the mpu `deepspeed.initialize` takes (parallel_state_sp)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attn = cfg.attn_implementation
     if attn == "sdpa":  # DeepSpeed wraps whatever the table holds under this name: wrap sdpa first
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = per_document_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
+        packed_attention.install()
     return UlyssesSPAttentionHF.register_with_transformers(
         # DeepSpeed reads `.config` from a model, or loads one by hub id; ours may exist only in memory
         model_name_or_path=SimpleNamespace(config=model_config),
@@ -144,34 +144,6 @@ def deepspeed_mpu():
         get_tensor_model_parallel_world_size=lambda: 1,  # a universal load asks (base_optimizer.py)
         get_tensor_model_parallel_rank=lambda: 0,
     )
-
-
-def per_document_sdpa(sdpa):
-    """`sdpa` that keeps packed examples apart when it gets no mask: each row's examples (position ids
-    restarting at 0) attend causally within themselves, one sdpa call each. Exact: an example's tokens see
-    the same keys as in a row of its own. Rows without a restart take the plain causal call."""
-    import torch
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        pos = kwargs.get("position_ids")
-        if attention_mask is not None or pos is None or query.shape[2] != pos.shape[-1]:
-            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-        starts = [(row == 0).nonzero().flatten().tolist() for row in pos.reshape(-1, pos.shape[-1])]
-        if all(s == [0] for s in starts) or len(starts) != query.shape[0]:
-            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-        rows = []
-        for b, row_starts in enumerate(starts):
-            cuts = (row_starts if row_starts and row_starts[0] == 0 else [0, *row_starts]) + [query.shape[2]]
-            parts = [
-                sdpa(module, query[b : b + 1, :, a:e], key[b : b + 1, :, a:e], value[b : b + 1, :, a:e], None,
-                     *args, **kwargs)[0]
-                for a, e in zip(cuts[:-1], cuts[1:])
-                if e > a
-            ]  # fmt: skip
-            rows.append(torch.cat(parts, dim=1))  # sdpa returns [batch, seq, heads, head_dim]
-        return torch.cat(rows, dim=0), None
-
-    return attention
 
 
 def shard(batch: dict, sp_rank: int, sp: int) -> dict:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zero_recipes import ds_config, parallel, sequence_parallel
+from zero_recipes import ds_config, packed_attention, parallel, sequence_parallel
 from zero_recipes.config import ConfigError, TrainConfig
 from zero_recipes.data.packing import collate
 from zero_recipes.model import TINY_LLAMA
@@ -103,13 +103,13 @@ def test_shard_cuts_each_row_into_slices_that_add_up_to_the_whole():
     assert "attention_mask" not in parts[0]
 
 
-def test_per_document_sdpa_keeps_packed_examples_apart():
+def test_per_example_sdpa_keeps_packed_examples_apart_when_ulysses_drops_the_mask():
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1
     q, k, v = (torch.randn(2, 4, 12, 8) for _ in range(3))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(12))])
-    attention = sequence_parallel.per_document_sdpa(sdpa_attention_forward)
+    attention = packed_attention.per_example_sdpa(sdpa_attention_forward)
     got, _ = attention(module, q, k, v, None, position_ids=pos)
     for a, e in ((0, 5), (5, 8), (8, 12)):  # row 0: three examples, each as if alone
         alone, _ = sdpa_attention_forward(module, q[:1, :, a:e], k[:1, :, a:e], v[:1, :, a:e], None)

@@ -1,0 +1,75 @@
+"""Packed rows attend per example (zero_recipes/packed_attention.py): the same logits and gradients as
+transformers' block-diagonal mask and as each example alone, while eval, padded batches and decoding keep
+transformers' own sdpa path."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from zero_recipes import packed_attention
+from zero_recipes.model import TINY_LLAMA
+
+LENGTHS = [30, 50, 20]
+
+
+@pytest.fixture
+def model():
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    config = AutoConfig.for_model("llama", **fields)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    yield m
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+def _row():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 4096, (2, sum(LENGTHS)))
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None].repeat(2, 1)
+    return ids, pos
+
+
+def _forward_backward(m, ids, pos):
+    m.zero_grad()
+    out = m(input_ids=ids, labels=ids, position_ids=pos, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_per_example_attention_equals_the_block_mask_and_each_example_alone(model):
+    ids, pos = _row()
+    model.train()
+    masked_logits, masked_grads = _forward_backward(model, ids, pos)  # transformers' block-diagonal mask
+    packed_attention.install()
+    wrapped = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    packed_attention.install()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is wrapped  # idempotent: one wrapper, not two
+    logits, grads = _forward_backward(model, ids, pos)
+    assert torch.allclose(logits, masked_logits, atol=1e-5)
+    for name, g in grads.items():
+        assert torch.allclose(g, masked_grads[name], atol=1e-5, rtol=1e-4), name
+    starts = [0, 30, 80]
+    alone = torch.cat(
+        [model(input_ids=ids[:, a : a + n], use_cache=False).logits for a, n in zip(starts, LENGTHS)], dim=1
+    )
+    assert torch.allclose(logits, alone.detach(), atol=1e-5)
+    leaked = model(input_ids=ids, use_cache=False).logits  # one causal sequence: examples see each other
+    assert not torch.allclose(leaked[:, 30:], alone[:, 30:], atol=1e-3)
+
+
+def test_eval_padding_and_decoding_keep_transformers_own_path(model):
+    ids, pos = _row()
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        mask = torch.ones_like(ids)
+        mask[1, -7:] = 0
+        padded_before = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        generated_before = model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False)
+        packed_attention.install()
+        assert torch.equal(model(input_ids=ids, position_ids=pos, use_cache=False).logits, before)
+        assert torch.equal(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, padded_before)
+        assert torch.equal(model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False), generated_before)
