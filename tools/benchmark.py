@@ -34,13 +34,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zero_recipes.bench import data, estimator, estimator_public, export, gpu, longctx, lora, parallel, settings, speed
+from zero_recipes.bench import (
+    data,
+    estimator,
+    estimator_public,
+    export,
+    gpu,
+    longctx,
+    lora,
+    parallel,
+    settings,
+    sft,
+    speed,
+)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, estimator_public, speed, settings, gpu, lora, parallel, longctx):
+    for module in (data, export, estimator, estimator_public, speed, sft, settings, gpu, lora, parallel, longctx):
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

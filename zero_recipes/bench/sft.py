@@ -1,0 +1,299 @@
+"""The SFT speed benchmark: train.py against TRL's SFTTrainer and the HF Trainer on the same conversations.
+
+Every runner is a real 2-rank `deepspeed` launch with the same DeepSpeed JSON, model config and seeded init,
+tokenizer and chat template, torch AdamW, schedule, micro-batch of rows, max length and one epoch:
+- train.py: packed SFT (its default), through zero_recipes/bench/sft_train_run.py;
+- TRL SFTTrainer, packing (best-fit decreasing, padding-free), completion-only loss (sft_peer_run.py);
+- HF Trainer: prompt-masked labels, DataCollatorForSeq2Seq, group_by_length (sft_peer_run.py);
+- train.py on pretraining text, same model and block size: the limit SFT's real tokens/s is held against.
+
+All four read their steps the same way (sft_probe.py). Runners alternate in rotated rounds and each timing
+ratio is the median of window-paired ratios with a bootstrap interval (paired.py). Each runner has its own
+fresh data caches in round 1 (its cold time to first step) and reuses them afterwards (cached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from . import packed_rows, paired
+from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from .sft_data import as_prompt_completion, padding_share, skewed_chats, write_jsonl
+
+# conversations: train set; eval: held out; block: row length (max_length); micro: rows per rank and step; rounds;
+# windows per run after warmup steps; text_steps: the text run's length (about the packed SFT epoch); longest: the
+# longest conversation's target length, under the block with room for the chat template.
+FULL = dict(
+    conversations=1000, eval=100, block=2048, micro=2, rounds=4, windows=6, warmup=3, text_steps=37, longest=1950
+)
+QUICK = dict(conversations=120, eval=8, block=512, micro=2, rounds=1, windows=2, warmup=1, text_steps=12, longest=460)
+RUNNERS = {
+    "train.py": ["--module", "zero_recipes.bench.sft_train_run"],
+    "TRL SFTTrainer": ["--module", "zero_recipes.bench.sft_peer_run", "--peer", "trl"],
+    "HF Trainer": ["--module", "zero_recipes.bench.sft_peer_run", "--peer", "hf"],
+    "train.py, text": ["--module", "zero_recipes.bench.sft_train_run"],
+}
+GOALS = {"vs_trl": 1.0, "vs_hf": 1.2, "sft_vs_text": 0.9, "first_step_vs_trl": 0.5, "half_width": 0.03}
+
+
+def make_work(tmp: Path, s: dict) -> dict:
+    """The tokenizer (built once, saved where every runner loads it) and the conversations, in `messages`
+    form and in TRL's prompt-completion form."""
+    from zero_recipes import data
+    from zero_recipes.config import TrainConfig
+    from zero_recipes.data import formats
+    from zero_recipes.data.builtin import stdlib_docstrings
+
+    tok_dir = data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(tmp / "tokenizer-cache")))
+    tok = data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(tok_dir)))
+    words = sorted({w for d in stdlib_docstrings()[:2000] for w in d.split() if w.isalpha() and len(w) < 12})
+    per_word = len(tok(" ".join(words[:500]), add_special_tokens=False)["input_ids"]) / 500
+    train = skewed_chats(s["conversations"], words, per_word, seed=0, high=s["longest"])
+    held_out = skewed_chats(s["eval"], words, per_word, seed=1, high=s["longest"])
+    formats.ensure_chat_template(tok, lambda *a: None)
+    lengths = sorted(rendered_length(r, tok) for r in train)
+    if lengths[-1] > s["block"]:  # every runner must see whole conversations (train.py drops longer ones)
+        raise RuntimeError(f"a conversation of {lengths[-1]} tokens does not fit the {s['block']}-token block")
+    return {
+        "tokenizer": str(tok_dir),
+        "messages": str(write_jsonl(train, tmp / "chats.jsonl")),
+        "prompt_completion": str(write_jsonl([as_prompt_completion(r) for r in train], tmp / "chats-pc.jsonl")),
+        "eval": str(write_jsonl(held_out, tmp / "eval.jsonl")),
+        "length_percentiles": {p: lengths[int(p / 100 * (len(lengths) - 1))] for p in (5, 25, 50, 75, 95, 100)},
+        "mean_length": sum(lengths) / len(lengths),
+        "tokens": sum(lengths),
+    }
+
+
+def rendered_length(row: dict, tok) -> int:
+    """Tokens of a conversation through the chat template (train.py adds one EOS after it)."""
+    return len(tok(tok.apply_chat_template(row["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
+
+
+def flags(runner: str, s: dict, work: dict) -> list[str]:
+    out = [
+        "--deepspeed",
+        "ds_configs/zero2.json",
+        "--model_config",
+        json.dumps({"max_position_embeddings": max(s["block"], 1024)}),  # the embedded tiny Llama, long enough
+        "--tokenizer_name_or_path",
+        work["tokenizer"],
+        "--block_size",
+        str(s["block"]),
+        "--per_device_train_batch_size",
+        str(s["micro"]),
+        "--learning_rate",
+        "1e-3",
+        "--warmup_steps",
+        "2",
+        "--logging_steps",
+        "1000000",
+        "--eval_steps",
+        "0",
+        "--save_steps",
+        "0",
+        "--validation_split_percentage",
+        "0",
+    ]
+    if runner == "train.py, text":  # the embedded pretraining corpus, about as many steps as the SFT epoch
+        return out + ["--max_steps", str(s["text_steps"])]
+    out += ["--dataset_name", work["messages"], "--max_steps", "0", "--num_train_epochs", "1"]
+    if runner == "TRL SFTTrainer":
+        out += ["--prompt_completion_file", work["prompt_completion"]]
+    return out + ["--eval_file", work["eval"]]
+
+
+def run_one(runner: str, s: dict, work: dict, tmp: Path, tag: str) -> dict:
+    """One launch; what its ranks' probes recorded, summed over ranks step by step."""
+    name = runner.replace(" ", "_").replace(",", "").replace(".", "")
+    out = tmp / "runs" / f"{tag}-{name}"
+    out.mkdir(parents=True)
+    cache = tmp / "caches" / name  # each runner's own: round 1 is its cold start, later rounds cached
+    env = {**os.environ, "ZERO_RECIPES_CACHE": str(cache / "zr"), "HF_DATASETS_CACHE": str(cache / "hf")}
+    env.pop("OMP_NUM_THREADS", None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS[runner]]
+    cmd += flags(runner, s, work) + ["--probe_out", str(out / "probe")]
+    if RUNNERS[runner][1] == "zero_recipes.bench.sft_train_run":
+        cmd += ["--output_dir", str(out / "run")]
+    run_checked(cmd, env, 7200, f"{runner}: {' '.join(cmd)}")
+    ranks = [json.loads((out / f"probe.rank{r}.json").read_text()) for r in range(2)]
+    n = min(len(r["starts"]) for r in ranks)
+    tokens = [[sum(r["tokens"][i][k] for r in ranks) for i in range(n)] for k in range(3)]
+    return summarise_run(ranks[0]["starts"][:n], tokens, ranks, s)
+
+
+def summarise_run(starts: list[float], tokens: list[list[int]], ranks: list[dict], s: dict) -> dict:
+    computed, trained, real = tokens
+    w, warm = s["windows"], s["warmup"]
+    return {
+        "steps": len(starts),
+        "label_rates": paired.window_rates(starts, trained, w, warm),
+        "real_rates": paired.window_rates(starts, real, w, warm),
+        "computed": sum(computed),
+        "trained": sum(trained),
+        "real": sum(real),
+        "padding_share": padding_share(sum(computed), sum(real)),
+        "train_seconds": starts[-1] - starts[0],
+        "time_to_first_step": ranks[0]["time_to_first_step"],
+        "max_rss_gib": [r["max_rss_bytes"] / 2**30 for r in ranks],
+        "eval_loss": ranks[0].get("eval_loss"),
+        "eval_tokens": ranks[0].get("eval_tokens"),
+    }
+
+
+def measure(s: dict, tmp: Path) -> dict:
+    work = make_work(tmp, s)
+    work["attention"] = packed_rows.measure(s["block"], s["longest"])
+    print(f"  one packed step, text / block mask / per example: {attention_line(work['attention'])}", flush=True)
+    rounds = []
+    for r, order in enumerate(paired.rotations(list(RUNNERS), s["rounds"])):
+        runs = {}
+        for runner in order:
+            runs[runner] = run_one(runner, s, work, tmp, f"r{r}")
+            print(f"  round {r + 1}/{s['rounds']} {runner}: {line(runs[runner])}", flush=True)
+        rounds.append(runs)
+    return {"work": work, "rounds": rounds}
+
+
+def attention_line(a: dict) -> str:
+    return (
+        f"{a['text']:.3f} / {a['block_mask']:.3f} / {a['per_example']:.3f} s "
+        f"(attention {a['block_mask_attention_share']:.0%} of the masked step)"
+    )
+
+
+def line(run: dict) -> str:
+    return (
+        f"{statistics.median(run['label_rates']):,.0f} label tokens/s, {statistics.median(run['real_rates']):,.0f} "
+        f"real, padding {run['padding_share']:.1%}, first step {run['time_to_first_step']:.1f}s"
+    )
+
+
+def summarise(m: dict, s: dict) -> dict:
+    """Per runner: medians over rounds; the headline ratios paired within rounds (paired.py)."""
+    rounds = m["rounds"]
+    label = [{r: run["label_rates"] for r, run in rd.items()} for rd in rounds]
+    real = [{r: run["real_rates"] for r, run in rd.items()} for rd in rounds]
+    cached = rounds[1:]  # round 1 built each runner's caches (cold)
+    runners = {}
+    for name in RUNNERS:
+        runs = [rd[name] for rd in rounds]
+        runners[name] = {
+            "label_tokens_per_sec": statistics.median(x for r in runs for x in r["label_rates"]),
+            "real_tokens_per_sec": statistics.median(x for r in runs for x in r["real_rates"]),
+            "padding_share": runs[0]["padding_share"],
+            "steps": runs[0]["steps"],
+            "trained_tokens": runs[0]["trained"],
+            "real_tokens": runs[0]["real"],
+            "epoch_seconds": statistics.median(r["train_seconds"] for r in runs),
+            "first_step_cold": runs[0]["time_to_first_step"],
+            "first_step_cached": statistics.median(r["time_to_first_step"] for r in runs[1:]) if cached else None,
+            "max_rss_gib": [max(r["max_rss_gib"][k] for r in runs) for k in range(2)],
+            "eval_loss": statistics.median(r["eval_loss"] for r in runs) if runs[0]["eval_loss"] else None,
+        }
+    ratios = {
+        "vs_trl": paired.ratio(label, "train.py", "TRL SFTTrainer"),
+        "vs_hf": paired.ratio(label, "train.py", "HF Trainer"),
+        "sft_vs_text": paired.ratio(real, "train.py", "train.py, text"),
+    }
+    if cached:
+        ratios["first_step_vs_trl"] = paired.bootstrap(
+            [[rd["train.py"]["time_to_first_step"] / rd["TRL SFTTrainer"]["time_to_first_step"]] for rd in cached]
+        )
+    return {"settings": s, "data": m["work"], "runners": runners, "ratios": ratios, "rounds": rounds}
+
+
+def markdown(r: dict) -> str:
+    s, d, q = r["settings"], r["data"], r["ratios"]
+    p = d["length_percentiles"]
+    lines = [
+        f"# SFT speed, {r['date']}",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        f"{s['conversations']:,} generated one-turn conversations (`messages`), {d['tokens']:,} tokens through the "
+        f"chat template, mean {d['mean_length']:.0f}; percentiles 5/25/50/75/95/100: "
+        + "/".join(str(p[k]) for k in p)
+        + f". Embedded tiny Llama (2.3M parameters) with {s['block']}-token rows, micro-batch {s['micro']} rows x "
+        "2 ranks, ds_configs/zero2.json, fp32, one epoch, {rounds} rotated rounds.".format(rounds=s["rounds"]),
+        "",
+        "| runner | label tokens/s | real tokens/s | padding | steps | label tokens | epoch s | first step cold / "
+        "cached s | peak RSS per rank GiB | held-out loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, x in r["runners"].items():
+        cached = f"{x['first_step_cached']:.1f}" if x["first_step_cached"] is not None else "-"
+        loss = f"{x['eval_loss']:.3f}" if x["eval_loss"] is not None else "-"
+        lines.append(
+            f"| {name} | {x['label_tokens_per_sec']:,.0f} | {x['real_tokens_per_sec']:,.0f} | {x['padding_share']:.1%} "
+            f"| {x['steps']} | {x['trained_tokens']:,} | {x['epoch_seconds']:.0f} | {x['first_step_cold']:.1f} / "
+            f"{cached} | {' / '.join(f'{g:.2f}' for g in x['max_rss_gib'])} | {loss} |"
+        )
+    lines += [
+        "",
+        "Ratios: median of window-paired ratios (each run's steady epoch in "
+        f"{s['windows']} windows after {s['warmup']} warm-up steps; window i of one runner over window i of the "
+        "other in the same round), 95 % interval from a bootstrap over rounds and pairs (zero_recipes/bench/paired.py).",
+        "",
+        "| ratio | median (95 % interval) | goal | met? | interval within ±3 %? |",
+        "|---|---|---|---|---|",
+        row("train.py / TRL SFTTrainer, label tokens/s", q["vs_trl"], f">= {GOALS['vs_trl']}", True),
+        row("train.py / HF Trainer, label tokens/s", q["vs_hf"], f">= {GOALS['vs_hf']}", True),
+        row("train.py SFT / train.py text, real tokens/s", q["sft_vs_text"], f">= {GOALS['sft_vs_text']}", True),
+    ]
+    if "first_step_vs_trl" in q:
+        lines.append(row("cached time to first step, train.py / TRL", q["first_step_vs_trl"], "<= 0.5", False))
+    lines += [
+        "",
+        "- label tokens: the targets the loss counts; real: non-padding positions; padding: the share of computed "
+        "positions that were padding (zero_recipes/bench/sft_data.py).",
+        "- held-out loss: every runner's trained model scored by the same code on the same "
+        f"{s['eval']} held-out conversations (mean over assistant tokens).",
+        "- first step: process start to the end of the first optimizer step; round 1 ran with empty data caches "
+        "(cold), later rounds reused them (cached).",
+        *attention_notes(d.get("attention")),
+        *footer(r),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def attention_notes(a: dict | None) -> list[str]:
+    if not a:
+        return []
+    return [
+        f"- One forward+backward of two packed rows ({' and '.join(map(str, a['examples_per_row']))} examples; "
+        "bench/packed_rows.py, 1 thread), "
+        f"text / transformers' block mask / train.py's per-example sdpa: {attention_line(a)}. The mask makes "
+        "attention grow with the row; the per-example split (zero_recipes/packed_attention.py) with the examples; "
+        "on GPUs flash-attention's varlen kernel does the same (`--attn_implementation flash_attention_2`).",
+    ]
+
+
+def row(what: str, x: dict, goal: str, at_least: bool) -> str:
+    bound = float(goal.split()[-1])
+    met = x["median"] >= bound if at_least else x["median"] <= bound
+    return f"| {what} | {paired.text(x)} | {goal} | {yes(met)} | {yes(x['half_width'] <= GOALS['half_width'])} |"
+
+
+def cmd_sft(args) -> int:
+    s = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        s["rounds"] = args.rounds
+    tmp = Path(tempfile.mkdtemp(prefix="zr-bench-sft-"))
+    result = new_report(**summarise(measure(s, tmp), s))
+    write_report(args.out_dir, f"sft-{result['date']}", result, markdown(result))
+    for name, x in result["ratios"].items():
+        print(f"{name}: {paired.text(x)}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("sft", help="SFT tokens/s of train.py vs TRL's SFTTrainer vs the HF Trainer, paired rounds")
+    p.add_argument("--quick", action="store_true", help="120 short conversations, 1 round (for tests)")
+    p.add_argument("--rounds", type=int, help="rotated rounds of the four runners (default 4)")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where sft-DATE.{md,json} go")
+    p.set_defaults(func=cmd_sft)

@@ -1,0 +1,76 @@
+"""What the SFT benchmark reads from inside each runner's ranks, the same way for all three.
+
+A forward pre-hook on the model (the module DeepSpeed wraps) stamps every training micro-batch with its start
+time and its tokens (sft_data.batch_tokens); eval forwards (no grad) are not recorded. A step ends when the
+next begins, so windows of steps are timed at the same point in every runner, whatever loop drives it. At the
+end rank 0 scores the trained model on the same held-out conversations (one per forward, no padding, loss
+summed over the assistant's tokens), and every rank writes <probe_out>.rank<N>.json with its records, its time
+to first step (process start to the second training forward, i.e. the first step done) and its peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+from .sft_data import batch_tokens, masked_example
+
+
+class StepProbe:
+    def __init__(self):
+        self.pad_id = 0
+        self.starts: list[float] = []
+        self.tokens: list[tuple[int, int, int]] = []  # (computed, trained, real) per micro-batch
+        self.first_step_seconds = None
+
+    def attach(self, model, pad_id: int) -> None:
+        self.pad_id = pad_id
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        import psutil
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if len(self.starts) == 1:
+            self.first_step_seconds = time.time() - psutil.Process().create_time()
+        self.starts.append(time.perf_counter())
+        self.tokens.append(batch_tokens(kwargs, self.pad_id))
+
+    def finish(self, model, rank: int, out: str, eval_file: str, tok, max_length: int) -> None:
+        record = {
+            "rank": rank,
+            "starts": self.starts,
+            "tokens": self.tokens,
+            "time_to_first_step": self.first_step_seconds,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if rank == 0 and eval_file:
+            record.update(held_out_loss(model, eval_file, tok, max_length))
+        Path(f"{out}.rank{rank}.json").write_text(json.dumps(record) + "\n")
+
+
+def held_out_loss(model, eval_file: str, tok, max_length: int) -> dict:
+    """Mean loss per assistant token over the conversations in eval_file, each alone in its forward."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for line in Path(eval_file).read_text().splitlines():
+            ex = masked_example(json.loads(line)["messages"], tok, max_length)
+            ids = torch.tensor([ex["input_ids"]])
+            labels = torch.tensor([ex["labels"]])
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            targets = labels[:, 1:]
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
+            total += float(nll)
+            count += int((targets != -100).sum())
+    model.train(was_training)
+    return {"eval_loss": total / count, "eval_tokens": count}
