@@ -45,6 +45,7 @@ def environment() -> dict:
             "transformers": transformers.__version__,
             "datasets": datasets.__version__,
             "tokenizers": tokenizers.__version__,
+            **optional_versions("peft", "trl"),
         },
         "machine": {
             "cpu": cpu,
@@ -54,6 +55,19 @@ def environment() -> dict:
             "gpus": gpus,
         },
     }
+
+
+def optional_versions(*names: str) -> dict:
+    """Versions of the packages a benchmark may use beyond the core (the SFT benchmark's TRL), when installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
 
 
 def yes(met: bool) -> str:
