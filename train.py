@@ -180,8 +180,8 @@ def build_model(plan: RunPlan, rank: int, log):
     from transformers.integrations import HfDeepSpeedConfig
 
     cfg, model_config = plan.cfg, plan.model_config
-    if cfg.attn_implementation == "sdpa":  # packed rows: one sdpa call per example, not a masked row (1.86x here)
-        packed_attention.install()
+    if cfg.attn_implementation == "sdpa" and plan.mesh.sp == 1:  # packed rows: one sdpa call per example, not a
+        packed_attention.install()  # masked row (1.7x a step here); under SP it sits inside Ulysses, installed there
     hf_ds = HfDeepSpeedConfig(parallel.zero_init_config(plan.ds, plan.mesh))  # noqa: F841 -- alive while building
     modeling.causal_lm_class(model_config)
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
