@@ -34,6 +34,24 @@ def global_order(w) -> list[int]:
     return out
 
 
+def same_training(cfg) -> dict:
+    """TrainingArguments fields that make a Trainer train as train.py does with `cfg`: batch, accumulation,
+    AdamW, clipping, schedule and seed (the SFT benchmark's peers take them too)."""
+    return dict(
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_epsilon,
+        max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        seed=cfg.seed,
+    )
+
+
 def main(argv: list[str]) -> int:
     import torch
     from accelerate import PartialState
@@ -49,17 +67,7 @@ def main(argv: list[str]) -> int:
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-trainer-bench-"),
         max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_epsilon=cfg.adam_epsilon,
-        max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_steps,
-        seed=cfg.seed,
+        **same_training(cfg),
         deepspeed=w.raw_ds,
         bf16=precision == "bf16",
         fp16=precision == "fp16",

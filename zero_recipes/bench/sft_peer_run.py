@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import tempfile
 
+from .hf_trainer_run import same_training
 from .sft_data import masked_example
 from .sft_probe import StepProbe
 from .workload import pop_flag
@@ -29,17 +30,7 @@ def common_arguments(cfg, raw_ds: dict, precision: str, cuda: bool) -> dict:
         output_dir=tempfile.mkdtemp(prefix="sft-peer-bench-"),
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.max_steps if cfg.max_steps > 0 else -1,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_epsilon=cfg.adam_epsilon,
-        max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_steps,
-        seed=cfg.seed,
+        **same_training(cfg),
         deepspeed=raw_ds,
         bf16=precision == "bf16",
         use_cpu=not cuda,
