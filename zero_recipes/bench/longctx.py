@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, footer, free_port, new_report, write_report, yes
+from .common import REPO, free_port, new_report, write_report
+from .longctx_search import longest, predicted_peak, trains_within
 
 ZERO3, SP2 = "ds_configs/zero3.json", "ds_configs/sp2.json"
 # name: (sequence-parallel size, tiled loss, tiled MLP)
@@ -160,64 +161,6 @@ def measure_point(name: str, block: int, size: dict, tmp: Path) -> dict:
     return result
 
 
-def trains_within(p: dict | None, budget: float) -> bool:
-    """A run trains within the budget: it exited 0 and its per-rank peak is at most the budget."""
-    return bool(p) and p.get("exit_code") == 0 and "peak_bytes" in p and p["peak_bytes"] <= budget
-
-
-def predicted_peak(points: dict[int, dict], block: int) -> float | None:
-    """The per-rank peak at `block`, linear in the length through the two measured blocks nearest below it
-    (None with fewer than two)."""
-    known = sorted(b for b, p in points.items() if "peak_bytes" in p and b < block)
-    if len(known) < 2:
-        return None
-    b1, b2 = known[-2:]
-    p1, p2 = points[b1]["peak_bytes"], points[b2]["peak_bytes"]
-    return p2 + (p2 - p1) / (b2 - b1) * (block - b2)
-
-
-def longest(fits, start: int, quantum: int, resolution: float, limit: int) -> dict:
-    """The longest multiple of `quantum` for which fits(length) holds, assuming it holds below some length
-    and not above: doubling from `start` (or halving while it fails) to a bracket [lo, hi), then bisection
-    until hi - lo <= max(quantum, lo * resolution). `limit`: the longest length tried (hi is then None when
-    every length up to it fits). Returns lo (0 if not even `quantum` fits), hi and the lengths tried in order."""
-    tried = []
-
-    def ok(n):
-        tried.append(n)
-        return fits(n)
-
-    lo, hi = 0, None
-    n = start
-    if ok(n):
-        lo = n
-        while n * 2 <= limit:
-            n *= 2
-            if not ok(n):
-                hi = n
-                break
-            lo = n
-    else:
-        hi = n
-        while n // 2 >= quantum and n // 2 % quantum == 0:
-            n //= 2
-            if ok(n):
-                lo = n
-                break
-            hi = n
-        if lo == 0:
-            return {"longest": 0, "shortest_failing": hi, "tried": tried}
-    while hi is not None and hi - lo > max(quantum, lo * resolution):
-        mid = (lo + hi) // 2 // quantum * quantum
-        if mid <= lo:
-            break
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return {"longest": lo, "shortest_failing": hi, "tried": tried}
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -321,225 +264,6 @@ def loss_parity(points: dict) -> dict:
     return out
 
 
-def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, pts in r["points"].items():
-        xs = [int(b) for b in sorted(pts, key=int) if "peak_bytes" in pts[b]]
-        if xs:
-            ax.plot(xs, [pts[str(b)]["peak_bytes"] / GiB for b in xs], marker="o", label=name)
-    for budget, style in zip(r["settings"]["budgets_bytes"], ("--", ":", "-.")):
-        ax.axhline(budget / GiB, color="grey", linestyle=style, label=f"budget {budget_label(budget)}")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:,.0f}"))
-    ax.set_xlabel("sequence length (tokens per sequence)")
-    ax.set_ylabel("per-rank peak, GiB (allocator events)")
-    ax.set_title(f"Per-rank peak vs sequence length, 2 ranks, V = {r['settings']['vocab_size']:,}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def growth(points: dict) -> dict | None:
-    """Peak per 1,024 tokens and the intercept at 0, through the two longest blocks in the sweep that trained
-    (points keyed by block, as ints or strings)."""
-    ok = sorted((int(b), p["peak_bytes"]) for b, p in points.items() if p.get("exit_code") == 0 and "peak_bytes" in p)
-    if len(ok) < 2:
-        return None
-    (b1, p1), (b2, p2) = ok[-2:]
-    slope = (p2 - p1) / (b2 - b1)
-    return {"per_1024": slope * 1024, "intercept": p2 - slope * b2, "blocks": [b1, b2]}
-
-
-def states_spread(points: dict) -> dict:
-    """The widest range of the model states over one configuration's runs (they do not depend on the length,
-    so the range is the runs' noise): {bytes, config, min, max}."""
-    best = {"bytes": 0, "config": None, "min": None, "max": None}
-    for name, pp in points.items():
-        states = [p["states_bytes"] for p in pp.values() if "states_bytes" in p]
-        if states and max(states) - min(states) >= best["bytes"]:
-            best = {"bytes": max(states) - min(states), "config": name, "min": min(states), "max": max(states)}
-    return best
-
-
-def gib(b: float | None) -> str:
-    return "—" if b is None else f"{b / GiB:.2f}"
-
-
-def fmt_ratio(x: dict) -> str:
-    return "—" if x["ratio"] is None else f"{x['ratio']:.2f}x"
-
-
-def markdown(r: dict, png: str) -> str:
-    s, pts, g = r["settings"], r["points"], r["goals"]
-    code = s.get("code", {"commit": "unknown", "uncommitted": []})
-    blocks = sorted({int(b) for p in pts.values() for b in p})
-    lines = [f"# Long context: tiled loss and sequence parallelism, {r['date']}", "", f"Command: `{r['command']}`", ""]
-    lines += [
-        f"Model: the embedded tiny Llama with `--model_config '{json.dumps(s['model'])}'` "
-        f"({r['parameters']:,} parameters), fp32, ZeRO-3 on 2 ranks, one sequence per rank (under SP=2 the two "
-        f"ranks share one sequence, each holding half of it), {s['steps']} optimizer steps per run. Budgets for "
-        f"the search: {', '.join(budget_label(b) for b in s['budgets_bytes'])} per rank. This invocation: "
-        f"{s['wall_seconds'] / 60:.1f} min, {s['runs']} runs, {s.get('reused', 0)} of them read back from earlier "
-        "invocations into its work directory (same model, steps and loss tile; their commits are not recorded "
-        f"here). Code of this invocation: commit {code['commit'][:10]}"
-        + (f" with uncommitted changes in {', '.join(code['uncommitted'])}" if code["uncommitted"] else "")
-        + ".",
-        "",
-        "## Goals",
-        "",
-        "| goal | measured | target | met |",
-        "|---|---|---|---|",
-    ]
-    a, at, b = g["sp_activation"], g["sp_activation_tiled"], g["tiled_loss_region"]
-    lines += [
-        f"| (a) SP=2 cuts the per-rank activation peak, same length (untiled loss: {TODAY} / {SP}, at {a['block']}) "
-        f"| {fmt_ratio(a)} | ≥ {a['goal']}x | {yes(a['met'])} |",
-        f"| (a') the same with the tiled loss ({TILED} / {SP_TILED}, at {at['block']}) | {fmt_ratio(at)} | "
-        f"≥ {at['goal']}x | {yes(at['met'])} |",
-        f"| (b) tiled loss cuts the loss region at V = {s['vocab_size']:,} ({TODAY} / {TILED}, at {b['block']}) | "
-        f"{fmt_ratio(b)} | ≥ {b['goal']}x | {yes(b['met'])} |",
-    ]
-    for label, c in r["longest_by_budget"].items():
-        lines.append(
-            f"| (c) longest trainable sequence within {label} per rank: {c['config']} ({c['longest']}) / {TODAY} "
-            f"({c['baseline']}) | {fmt_ratio(c)} | ≥ {c['goal']}x | {yes(c['met'])} |"
-        )
-    lines += [
-        "",
-        "Each ratio is taken at the longest block where both of its runs trained; by block: "
-        + "; ".join(
-            f"{k} " + ", ".join(f"{n}: {v:.2f}x" for n, v in g[k]["by_block"].items() if v)
-            for k in ("sp_activation", "sp_activation_tiled", "tiled_loss_region")
-        )
-        + ".",
-        "",
-        f"![per-rank peak vs sequence length]({png})",
-        "",
-        "## Per-rank peak of the optimizer steps, GiB (largest over the 2 ranks)",
-        "",
-        "| configuration | " + " | ".join(str(n) for n in blocks) + " |",
-        "|---|" + "---|" * len(blocks),
-    ]
-
-    def cell(p, key):
-        if p is None:
-            return ""
-        if "skipped" in p:
-            return "not run (over cap)"
-        if key not in p:
-            return f"**failed** (exit {p['exit_code']})"
-        return gib(p[key])
-
-    for key, title in (
-        ("peak_bytes", None),
-        ("states_bytes", "Model states (live bytes when a forward starts), GiB"),
-        ("activation_bytes", "Activation peak (peak from forward to optimizer step - model states), GiB"),
-        (
-            "loss_region_bytes",
-            "Loss region (head + loss: peak from the final norm to its gradient - live bytes there), GiB",
-        ),
-    ):
-        if title:
-            lines += ["", f"## {title}", "", "| configuration | " + " | ".join(str(n) for n in blocks) + " |"]
-            lines += ["|---|" + "---|" * len(blocks)]
-        for name, p in pts.items():
-            lines.append(f"| {name} | " + " | ".join(cell(p.get(str(n)), key) for n in blocks) + " |")
-    lines += [
-        "",
-        "## Per-token growth",
-        "",
-        "Per-rank peak added per 1,024 more tokens of sequence, between the two longest lengths each configuration "
-        "trained (sweep or search), and the peak those two points extrapolate to at length 0 (the fixed part: model "
-        "states, ZeRO-3's gathered weights, one loss tile).",
-        "",
-        "| configuration | GiB per 1,024 tokens | fixed part, GiB | between |",
-        "|---|---|---|---|",
-    ]
-    for name, pp in pts.items():
-        g2 = growth(pp)
-        if g2:
-            lines.append(
-                f"| {name} | {g2['per_1024'] / GiB:.3f} | {gib(g2['intercept'])} | {g2['blocks'][0]}–{g2['blocks'][1]} |"
-            )
-    lines += [
-        "",
-        "## Longest sequence within the budget",
-        "",
-        "| budget per rank | configuration | longest that trained within the budget | shortest that did not | "
-        "lengths tried, in order |",
-        "|---|---|---|---|---|",
-    ]
-    for label, found in r["searches"].items():
-        for name, x in found.items():
-            lines.append(
-                f"| {label} | {name} | {x['longest']} | {x['shortest_failing'] or '—'} | "
-                f"{', '.join(map(str, x['tried']))} |"
-            )
-    failed = [(n, b, p) for n, pp in pts.items() for b, p in pp.items() if p.get("exit_code") not in (None, 0)]
-    spread = states_spread(pts)
-    spread["matrix"] = s["vocab_size"] * s.get("hidden_size", 128) * 4
-    parity = r["loss_parity"]
-    lines += [
-        "",
-        "## Method",
-        "",
-        "- Each point: `deepspeed --num_gpus 2` running train.py's main() under "
-        "zero_recipes/bench/longctx_probe.py (torch.profiler, profile_memory, every rank): the running sum of "
-        "the CPU allocator's events is the live torch bytes (exact for tensors; not the Python heap or "
-        "libraries). The peak is that of the optimizer steps (train.py's loop.train_step); the export at the "
-        "end is left out. No held-out split (`--validation_split_percentage 0`): train.py's eval would compute "
-        "whole-sequence logits on every rank.",
-        "- The split: model states = live bytes when the step's forward starts; activation peak = the step's "
-        "peak from there to the optimizer step minus the model states (this includes ZeRO-3's gathered "
-        "weights of the layer running, e.g. the 64 MiB head at V = 128k, and the head's weight gradient); loss "
-        "region = peak from the final norm's output to the arrival of its gradient minus the live bytes at the "
-        "norm (logits or tiles of them, their fp32 log-softmax and gradients). The last step is used (the "
-        "first has no Adam states yet); each figure is the larger of the two ranks'.",
-        f"- Search: from the sweep's shortest block, doubling (or halving) then bisection on multiples of "
-        f"{s['quantum']} tokens until the bracket is within {s['resolution']:.0%} of its lower end; a length "
-        "trains within the budget when train.py exits 0 and the measured peak is at most the budget. Runs the "
-        f"measured peaks predict over {gib(s['cap_bytes'])} GiB per rank (the machine's cap, linear in the "
-        "length) are not launched.",
-        f"- Run-to-run noise: the model states do not depend on the length, yet over the runs of one "
-        f"configuration they spread by up to {gib(spread['bytes'])} GiB ({spread['config']}: "
-        f"{gib(spread['min'])}–{gib(spread['max'])} GiB), in steps of about one {spread['matrix'] / 2**20:.0f} MiB "
-        "vocabulary x hidden fp32 matrix (the size of the embedding, the head and their gradients) that is alive at "
-        "some steps' start and not at others'. A peak within that distance of the budget could land on the "
-        "other side of it in a rerun; the activation peaks and loss regions (differences within one step) do "
-        "not move this way.",
-        "- Loss check, tiled against untiled on the same rows (fp32): max |Δloss| "
-        + ", ".join(f"{k}: {v:.2g}" for k, v in parity.items() if v is not None)
-        + ".",
-        "- train.py's mesh lines: "
-        + "; ".join(
-            f"{n}: `{next((p['distributed_line'] for p in pp.values() if p.get('distributed_line')), '')}`"
-            for n, pp in pts.items()
-        )
-        + ".",
-    ]
-    if failed:
-        lines += ["", "## Failed runs", ""]
-        for name, block, p in failed:
-            tail = "\n".join(p.get("output_tail", "").splitlines()[-12:])
-            lines += [
-                f"{name} at {block} (exit {p['exit_code']}): `{p.get('command', '')}`",
-                "",
-                "```",
-                tail,
-                "```",
-                "",
-            ]
-    lines += ["", *footer(r)]
-    return "\n".join(lines) + "\n"
-
-
 def code_state() -> dict:
     """The commit the runs used and the files that differed from it when the benchmark started."""
 
@@ -550,34 +274,22 @@ def code_state() -> dict:
     return {"commit": git("rev-parse", "HEAD").strip(), "uncommitted": changed}
 
 
-def render(path: Path) -> int:
-    """The .md and .png again from a report's .json (after a change to their layout; nothing is rerun)."""
-    result = json.loads(path.read_text())
-    plot(result, path.with_suffix(".png"))
-    write_report(str(path.parent), path.stem, result, markdown(result, path.with_suffix(".png").name))
-    return 0
-
-
-def cmd_longctx(args) -> int:
-    if args.render:
-        return render(Path(args.render))
-    size = dict(SIZES["quick" if args.quick else "full"])
-    if args.budget_gib:
-        size["budgets"] = [b * GiB for b in args.budget_gib]
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cap = 0.35 * ram  # per rank: two ranks and the launcher stay within the machine's RAM
-    started = time.perf_counter()
-    code = code_state()
+def work_dir(args, size: dict) -> Path | None:
+    """The directory the runs go to (--work-dir or a new temporary one), None when it holds runs made with
+    other settings (model, steps, loss tile): those must not be read back."""
     tmp = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="zr-bench-longctx-"))
     tmp.mkdir(parents=True, exist_ok=True)
     keep = {k: size[k] for k in ("model", "steps", "loss_tile_tokens")}
     saved = tmp / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != keep:
         print(f"error: {tmp} holds runs made with other settings: {saved.read_text().strip()}", file=sys.stderr)
-        return 2
+        return None
     saved.write_text(json.dumps(keep) + "\n")
-    print(f"runs and logs in {tmp}", flush=True)
-    points, searches = measure(size, tmp, cap)
+    return tmp
+
+
+def report(size: dict, points: dict, searches: dict, cap: float, code: dict, started: float) -> dict:
+    """The report's figures (its .json): settings, goals, searches, loss parity and every point."""
     from transformers import LlamaConfig
 
     from zero_recipes.model import count_params_meta
@@ -601,7 +313,7 @@ def cmd_longctx(args) -> int:
         "code": code,
         "wall_seconds": time.perf_counter() - started,
     }
-    result = new_report(
+    return new_report(
         settings=settings,
         parameters=count_params_meta(LlamaConfig(**fields)),
         configs={n: {"sp": sp, "tiled_loss": tl, "tiled_mlp": tm} for n, (sp, tl, tm) in CONFIGS.items()},
@@ -611,6 +323,26 @@ def cmd_longctx(args) -> int:
         loss_parity=loss_parity(points),
         points={n: {str(b): p for b, p in sorted(pp.items())} for n, pp in points.items()},
     )
+
+
+def cmd_longctx(args) -> int:
+    from .longctx_report import fmt_ratio, markdown, plot, render
+
+    if args.render:
+        return render(Path(args.render))
+    size = dict(SIZES["quick" if args.quick else "full"])
+    if args.budget_gib:
+        size["budgets"] = [b * GiB for b in args.budget_gib]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = 0.35 * ram  # per rank: two ranks and the launcher stay within the machine's RAM
+    started = time.perf_counter()
+    code = code_state()
+    tmp = work_dir(args, size)
+    if tmp is None:
+        return 2
+    print(f"runs and logs in {tmp}", flush=True)
+    points, searches = measure(size, tmp, cap)
+    result = report(size, points, searches, cap, code, started)
     name = f"longctx-{result['date']}"
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -69,23 +69,9 @@ def main(argv: list[str]) -> int:
     from transformers.integrations import HfDeepSpeedConfig
 
     modeling.causal_lm_class(model_config)
-    vocab = model_config.get_text_config().vocab_size
-    # every rank of a tensor-parallel group must see the same tokens (DeepSpeed checks the first batch: "Data
-    # inconsistency within the TP group"), so the tokens are seeded by the data-parallel rank
-    gen = torch.Generator().manual_seed(plan.mesh.dp_rank(rank))
-    rows = [
-        torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
-        for _ in range(STEPS * cfg.gradient_accumulation_steps)
-    ]
+    batches = random_batches(plan, rank)
     mesh = plan.mesh
-    # as train.py: under SP each rank trains its slice of the same rows (loop.next_micro_batches), and Ulysses
-    # goes into transformers' attention table before the model is built
-    batches = [
-        sequence_parallel.shard({"input_ids": ids, "labels": ids}, mesh.sp_rank(rank), mesh.sp)
-        if mesh.sp > 1
-        else {"input_ids": ids, "labels": ids}
-        for ids in rows
-    ]
+    # as train.py: Ulysses goes into transformers' attention table before the model is built
     if mesh.sp > 1:
         sequence_parallel.register_ulysses(cfg, model_config, mesh)
     mpu = mesh.deepspeed_mpu()  # as train.py: DeepSpeed's groups under TP or SP (the batch counts dp ranks)
@@ -121,6 +107,26 @@ def main(argv: list[str]) -> int:
         Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
     distributed.finish(0)
     return 0
+
+
+def random_batches(plan, rank: int) -> list[dict]:
+    """This rank's micro-batches of random tokens, STEPS x gradient accumulation of them."""
+    cfg, mesh = plan.cfg, plan.mesh
+    vocab = plan.model_config.get_text_config().vocab_size
+    # every rank of a tensor-parallel group must see the same tokens (DeepSpeed checks the first batch: "Data
+    # inconsistency within the TP group"), so the tokens are seeded by the data-parallel rank
+    gen = torch.Generator().manual_seed(plan.mesh.dp_rank(rank))
+    rows = [
+        torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
+        for _ in range(STEPS * cfg.gradient_accumulation_steps)
+    ]
+    # as train.py: under SP each rank trains its slice of the same rows (loop.next_micro_batches)
+    return [
+        sequence_parallel.shard({"input_ids": ids, "labels": ids}, mesh.sp_rank(rank), mesh.sp)
+        if mesh.sp > 1
+        else {"input_ids": ids, "labels": ids}
+        for ids in rows
+    ]
 
 
 def install_long_context(model, plan) -> None:
