@@ -170,21 +170,30 @@ def fit(loop: Loop, step: int) -> Outcome:
             with window.paused():
                 run_eval(loop, step)
             engine.train()
-        preempted = loop.stop.agreed()
-        if saving or preempted:
-            with window.paused():
-                path = loop.checkpointer.save(engine, step, rank_state={"data": loop.order.state_dict()})
-            bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
-        if preempted and step < total:
-            bar.close()
-            loop.log(
-                f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
-                "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto"
-            )
-            return Outcome(step, preempted=True)
+        if (outcome := save_or_stop(loop, window, bar, step, saving)) is not None:
+            return outcome
     bar.close()
     summarise(loop, start_step, step, time.perf_counter() - run_start, losses)
     return Outcome(step)
+
+
+def save_or_stop(loop: Loop, window: metrics.LogWindow, bar, step: int, saving: bool) -> Optional[Outcome]:
+    """Collective: agree on a preemption signal, save when it is time or when asked to stop, and return the
+    outcome that ends the launch early (None: train on)."""
+    total = loop.plan.total_steps
+    preempted = loop.stop.agreed()
+    if saving or preempted:
+        with window.paused():
+            path = loop.checkpointer.save(loop.engine, step, rank_state={"data": loop.order.state_dict()})
+        bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
+    if not (preempted and step < total):
+        return None
+    bar.close()
+    loop.log(
+        f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
+        "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto"
+    )
+    return Outcome(step, preempted=True)
 
 
 def next_micro_batches(loop: Loop) -> tuple[list[dict], float]:

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from .config import ConfigError, TrainConfig
-from .model import gathered_parameters
+from .model import gathered_parameters, num_params
 
 ALL_LINEAR = "all-linear"
 QLORA_CPU_BLOCK = 64
@@ -192,9 +192,7 @@ def wrap(model, cfg: TrainConfig):
 
 def trainable_count(model) -> tuple[int, int]:
     """(trainable, all) parameters, ZeRO-3 partitions by their full size."""
-    unique = {id(p): p for p in model.parameters()}.values()
-    size = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in unique]
-    return sum(n for n, t in size if t), sum(n for n, _ in size)
+    return num_params(model, trainable_only=True), num_params(model)
 
 
 def export_adapter(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:

@@ -103,11 +103,11 @@ def meta_model(config):
         return cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
 
 
-def num_params(model) -> int:
+def num_params(model, trainable_only: bool = False) -> int:
     """The one parameter count: a tied lm_head counts once, a ZeRO-3 partitioned parameter by its full
     size (ds_numel), a meta-device one by its shape."""
     unique = {id(p): p for p in model.parameters()}.values()
-    return sum(getattr(p, "ds_numel", None) or p.numel() for p in unique)
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in unique if p.requires_grad or not trainable_only)
 
 
 def count_params_meta(config) -> int:

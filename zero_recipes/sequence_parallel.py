@@ -38,8 +38,17 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
     if mesh.sp == 1:
         return ()
     sp, text = mesh.sp, model_config.get_text_config()
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    _check_split(sp, text.num_attention_heads, kv, cfg.block_size)
+    _check_training(sp, model_config, ds, cfg, known_head)
+    notes = []
+    if sp > kv:
+        notes.append(f"sequence parallelism: {sp} ranks share {kv} key-value head(s); each rank holds a copy")
+    return tuple(notes)
+
+
+def _check_split(sp: int, heads: int, kv: int, block_size: int) -> None:
+    """Ulysses splits heads after its all-to-all and every sequence before it: both must divide."""
     if heads % sp:
         raise ConfigError(
             f"sequence_parallel_size = {sp} does not divide the model's {heads} attention heads; use a size that "
@@ -50,11 +59,15 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
             f"sequence_parallel_size = {sp} and the model's {kv} key-value heads: one must divide the other "
             f"(each rank takes kv_heads / {sp} heads, or copies of one); use a size that divides {kv} or a multiple of it"
         )
-    if cfg.block_size % sp:
+    if block_size % sp:
         raise ConfigError(
-            f"sequence_parallel_size = {sp} does not divide block_size {cfg.block_size}: each rank takes an equal "
-            f"slice of every sequence; use --block_size {cfg.block_size - cfg.block_size % sp or sp}"
+            f"sequence_parallel_size = {sp} does not divide block_size {block_size}: each rank takes an equal "
+            f"slice of every sequence; use --block_size {block_size - block_size % sp or sp}"
         )
+
+
+def _check_training(sp: int, model_config, ds: dict, cfg, known_head: bool) -> None:
+    """What trains wrongly or crashes under Ulysses: the attention kernel, packing, ZeRO-0, LoRA, the head."""
     attn = cfg.attn_implementation
     if attn not in ATTENTION:
         raise ConfigError(
@@ -93,10 +106,6 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
             f"knows the output head of {', '.join(_known())} but not of '{model_config.model_type}'; remove "
             "sequence_parallel_size"
         )
-    notes = []
-    if sp > kv:
-        notes.append(f"sequence parallelism: {sp} ranks share {kv} key-value head(s); each rank holds a copy")
-    return tuple(notes)
 
 
 def _is_sft(cfg) -> bool:

@@ -36,6 +36,7 @@ import copy
 from dataclasses import dataclass
 
 from ..config import ConfigError
+from ..model import num_params
 
 
 @dataclass
@@ -114,7 +115,7 @@ def split(model, tp: int, tp_block: dict | None = None) -> TPSplit:
                 n = param.numel()
             per_rank += n
             largest = max(largest, n)
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    total = num_params(model)
     return TPSplit(tp, per_rank, largest, split_n, total - split_n, vocab)
 
 
