@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 # DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds_schema.py)
 # imports it: bound to stderr here, so stdout (--json) carries the estimate alone.
@@ -41,168 +40,12 @@ with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
 from zero_recipes.config import ConfigError
-from zero_recipes.memory.table import GPU_COUNTS, lora_of, table
-
-LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
+from zero_recipes.memory.from_args import load, one
+from zero_recipes.memory.table import GPU_COUNTS, table
 
 
 def gb(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
-
-
-def load(args, deepspeed: list[str], world: int, micro: int | None = None):
-    """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
-    from zero_recipes import ds_config, lm_loss, model as modeling, parallel, sequence_parallel
-    from zero_recipes.config import parse_args
-
-    argv = ["--recipe", args.recipe] if args.recipe else []
-    if args.model:
-        # LoRA needs a pretrained base (zero_recipes.lora.validate_options); of a config.json the estimate reads
-        # only the architecture, which AutoConfig.from_pretrained reads from the file as well
-        as_config = args.model.endswith(".json") and not lora_requested(args)
-        argv += ["--model_config" if as_config else "--model_name_or_path", args.model]
-    for name in LORA_OPTIONS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name}", *(value if isinstance(value, list) else [str(value)])]
-    if args.load_in_4bit:
-        argv += ["--load_in_4bit", "true"]
-    if micro or args.micro_batch_size or not args.recipe:
-        argv += ["--per_device_train_batch_size", str(micro or args.micro_batch_size or 1)]
-    if args.seq_len:
-        argv += ["--block_size", str(args.seq_len)]
-    if args.gradient_checkpointing:
-        argv += ["--gradient_checkpointing", "true"]
-    for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp"):  # train.py's flags, parsed by train.py's parser
-        value = getattr(args, name, None)
-        if value is not None:
-            argv += [f"--{name}", str(value).lower()]
-    if deepspeed:
-        argv += ["--deepspeed", *deepspeed]
-    cfg, explicit = parse_args(argv)
-    if args.model and args.model.endswith(".json") and cfg.lora_r > 0:
-        check_config_file(args.model)
-    if not cfg.deepspeed:
-        raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
-    if args.model and args.model.endswith(".json"):
-        check_config_file(args.model)
-    config = modeling.load_model_config(cfg)
-    hidden = modeling.hidden_size(config)
-    if not hidden:
-        raise ConfigError(
-            "the model config has no hidden_size; give a complete config.json (with model_type "
-            "and hidden_size), a model directory or a hub id"
-        )
-    if cfg.lora_r > 0:
-        from zero_recipes import lora
-
-        lora.check_targets(
-            cfg, modeling.meta_model(config), config.model_type
-        )  # a target the model lacks: the same one-line error as train.py's
-    raw = ds_config.load_fragments(cfg.deepspeed)
-    if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
-        raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
-    if args.sequence_parallel and not args.table:
-        raw["sequence_parallel_size"] = args.sequence_parallel
-    notes = []
-    if (
-        all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
-        and cfg.bf16 is None
-        and cfg.fp16 is None
-    ):
-        notes.append(
-            'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
-            "would train in fp32); add ds_configs/bf16.json for bf16"
-        )
-    if cfg.load_in_4bit:
-        notes.append(
-            "load_in_4bit (QLoRA): linear weights counted at NF4's 0.52 bytes each (4-bit codes and double-"
-            "quantised scales), the rest of the base in 16 bits; derived from bitsandbytes' layout, not measured"
-        )
-    resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
-    cfg = resolved.cfg
-    ds = ds_config.with_steps(resolved.ds, cfg, 1000)
-    mesh = parallel.Mesh.of(world, ds)
-    parallel.check_mesh(mesh)
-    parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
-    notes += sequence_parallel.check(mesh, config, ds, cfg, lm_loss.knows_head(config))
-    return cfg, config, ds, notes
-
-
-def lora_requested(args) -> bool:
-    """LoRA set by a flag or by the recipe (a `lora:` block or `lora_r:`)."""
-    if args.lora_r is not None:
-        return args.lora_r > 0
-    if not args.recipe:
-        return False
-    from zero_recipes.config import load_recipe
-
-    recipe = load_recipe(args.recipe)
-    block = recipe.get("lora") if isinstance(recipe.get("lora"), dict) else {}
-    return bool(recipe.get("lora_r", block.get("r", 0)))
-
-
-def check_config_file(path: str) -> None:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{path} does not exist; give a config.json, a model directory or a hub id")
-    data = json.loads(p.read_text())
-    if not any(k in data or k in data.get("text_config", {}) for k in ("hidden_size", "n_embd", "d_model")):
-        raise ConfigError(
-            f"{path} has no hidden_size; a config.json must give the model's width (hidden_size, or "
-            "n_embd for GPT-2) so the estimate is of your model, not of a default one"
-        )
-    if "model_type" not in data:
-        raise ConfigError(f'{path} has no model_type; add it (e.g. "model_type": "llama") so the architecture is known')
-
-
-def one(args, gpu_memory):
-    from zero_recipes.memory import Launch, estimate
-
-    world = args.num_gpus * args.num_nodes
-    cfg, config, ds, notes = load(args, args.deepspeed, world)
-    launch = Launch(
-        args.num_gpus,
-        args.num_nodes,
-        cfg.per_device_train_batch_size,
-        cfg.block_size,
-        cfg.gradient_checkpointing,
-        cfg.attn_implementation or "sdpa",
-        tiled_loss=cfg.tiled_loss,
-        loss_tile_tokens=cfg.loss_tile_tokens,
-        tiled_mlp=cfg.tiled_mlp,
-    )
-    e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
-    if e.tensor_parallel > args.num_gpus:
-        notes.append(
-            f"a tensor-parallel group of {e.tensor_parallel} spans {args.num_gpus}-GPU nodes: its per-layer all-reduces "
-            "would cross the network; keep autotp_size within the GPUs per node"
-        )
-    if e.sequence_parallel > args.num_gpus:
-        notes.append(
-            f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
-            "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
-        )
-    e.notes = notes + loss_notes(cfg, config, e.sequence_parallel)
-    return e, cfg, config
-
-
-def loss_notes(cfg, config, sp: int) -> list[str]:
-    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.lm_loss)."""
-    from zero_recipes.memory.activations import loss_tile
-
-    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, cfg.tiled_loss, cfg.loss_tile_tokens)
-    local = cfg.per_device_train_batch_size * cfg.block_size // sp
-    notes = []
-    if tile and local > tile:
-        notes.append(
-            f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "
-            f"{local} tokens'); --tiled_loss false for the whole logits"
-        )
-    if cfg.tiled_mlp:
-        hidden = config.get_text_config().hidden_size
-        notes.append(f"mlp: tiled, {-(-cfg.block_size // sp // hidden)} tile(s) of up to {hidden} tokens per MLP")
-    return notes
 
 
 def print_one(e, cfg, args, gpu_memory) -> None:
@@ -341,7 +184,7 @@ def recommendation(b: dict, lora_given: int) -> str:
     )
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="hub id, local model directory, or config.json")
     ap.add_argument("--recipe", help="take model, micro-batch, seq len and checkpointing from a recipe")
@@ -388,61 +231,79 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--gpu", default="H100", help="GPU for --tokens (peak FLOP/s and board power), default H100")
     ap.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for --tokens (default 0.40)")
     ap.add_argument("--gpu_power", type=float, help="watts per GPU for --tokens (default: the GPU's board power)")
-    args = ap.parse_args(argv)
-    try:
-        from zero_recipes.memory import parse_memory, training_compute
+    return ap
 
-        if not args.model and not args.recipe:
-            raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
-        if args.num_gpus < 1 or args.num_nodes < 1:
-            raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
-        if args.tensor_parallel is not None and args.tensor_parallel < 1:
-            raise ConfigError(f"--tensor_parallel must be >= 1 (got {args.tensor_parallel})")
-        if args.sequence_parallel is not None and args.sequence_parallel < 1:
-            raise ConfigError(f"--sequence_parallel must be >= 1 (got {args.sequence_parallel})")
-        if not (0 < args.mfu <= 1):
-            raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
+
+def check_args(args) -> None:
+    if not args.model and not args.recipe:
+        raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
+    if args.num_gpus < 1 or args.num_nodes < 1:
+        raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        raise ConfigError(f"--tensor_parallel must be >= 1 (got {args.tensor_parallel})")
+    if args.sequence_parallel is not None and args.sequence_parallel < 1:
+        raise ConfigError(f"--sequence_parallel must be >= 1 (got {args.sequence_parallel})")
+    if not (0 < args.mfu <= 1):
+        raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
+
+
+def run_table(args, gpu_memory) -> None:
+    if gpu_memory is None:
+        raise ConfigError("--table needs --gpu_memory, e.g. --gpu_memory 80GiB")
+    t = table(args, gpu_memory, load)
+    print(json.dumps(t, indent=2) if args.json else "", end="\n" if args.json else "")
+    if not args.json:
+        print_table(t)
+
+
+def run_one(args, gpu_memory) -> None:
+    from zero_recipes.memory import training_compute
+
+    e, cfg, config = one(args, gpu_memory)
+    out = e.as_json()
+    if args.tokens:
+        world = args.num_gpus * args.num_nodes
+        out["compute"] = training_compute(
+            config,
+            e.num_params,
+            args.tokens,
+            cfg.block_size,
+            world,
+            args.gpu,
+            e.precision,
+            args.mfu,
+            args.gpu_power,
+        )
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_one(e, cfg, args, gpu_memory)
+        c = out.get("compute")
+        if c:
+            print_compute(c)
+
+
+def print_compute(c: dict) -> None:
+    print(
+        f"compute: {c['total_flops']:.3e} FLOPs for {c['tokens']:.3g} tokens (6ND alone: "
+        f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
+        f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
+        f"{c['gpu_hours']:,.0f} GPU-hours"
+        + (f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU" if "energy_kwh" in c else "")
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        from zero_recipes.memory import parse_memory
+
+        check_args(args)
         gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
         if args.table:
-            if gpu_memory is None:
-                raise ConfigError("--table needs --gpu_memory, e.g. --gpu_memory 80GiB")
-            t = table(args, gpu_memory, load)
-            print(json.dumps(t, indent=2) if args.json else "", end="\n" if args.json else "")
-            if not args.json:
-                print_table(t)
+            run_table(args, gpu_memory)
             return 0
-        e, cfg, config = one(args, gpu_memory)
-        out = e.as_json()
-        if args.tokens:
-            world = args.num_gpus * args.num_nodes
-            out["compute"] = training_compute(
-                config,
-                e.num_params,
-                args.tokens,
-                cfg.block_size,
-                world,
-                args.gpu,
-                e.precision,
-                args.mfu,
-                args.gpu_power,
-            )
-        if args.json:
-            print(json.dumps(out, indent=2))
-        else:
-            print_one(e, cfg, args, gpu_memory)
-            c = out.get("compute")
-            if c:
-                print(
-                    f"compute: {c['total_flops']:.3e} FLOPs for {c['tokens']:.3g} tokens (6ND alone: "
-                    f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
-                    f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
-                    f"{c['gpu_hours']:,.0f} GPU-hours"
-                    + (
-                        f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU"
-                        if "energy_kwh" in c
-                        else ""
-                    )
-                )
+        run_one(args, gpu_memory)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,14 +2,14 @@
 traced through the real model code (activations), and the estimate that combines them (estimate)."""
 
 from .activations import Activations, activation_bytes  # noqa: F401
+from .compute import training_compute  # noqa: F401
 from .estimate import (  # noqa: F401
     Estimate,
     Launch,
-    ModelShape,
     estimate,
     fit_verdict,
     for_run,
     parse_memory,
     rank_total,
-    training_compute,
 )
+from .shape import ModelShape  # noqa: F401

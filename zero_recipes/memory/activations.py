@@ -129,22 +129,8 @@ def trace_peak(
                 lm_loss.install(model, loss_tile or 1, bool(loss_tile), zero3=False)
             if tiled_mlp:
                 lm_loss.install_tiled_mlp(model, zero3=False)
-    if lora is not None:
-        # peft's LoRA layers as train.py wraps them (zero_recipes.lora.wrap): lora_A, lora_B and the dropout save
-        # their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped
-        # outside the fake mode: peft moves each new adapter to its base layer's device, which fake parameters
-        # cannot be swapped for (an error, measured); the adapters of one or two layers are small real tensors.
-        # modules_to_save are wrapped without peft's copy of them: deep-copying fake parameters crashed the
-        # process (a segfault, measured, in the traced backward). A trainable copy of a module saves what the
-        # module itself saves once made trainable, so the originals are made trainable instead.
-        from peft import get_peft_model
-
-        traced = copy.deepcopy(lora)
-        to_save, traced.modules_to_save = list(traced.modules_to_save or []), None
-        model = get_peft_model(model, traced, autocast_adapter_dtype=False)
-        for name, module in model.named_modules():
-            if any(name == t or name.endswith("." + t) for t in to_save):
-                module.requires_grad_(True)
+    if lora is not None:  # outside the fake mode (_peft_wrapped says why)
+        model = _peft_wrapped(model, lora)
     with mode:
         model.train()
         for p in model.parameters():
@@ -155,6 +141,25 @@ def trace_peak(
         with tracker, _eager_masks():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     return tracker.peak
+
+
+def _peft_wrapped(model, lora):
+    """peft's LoRA layers as train.py wraps them (zero_recipes.lora.wrap): lora_A, lora_B and the dropout save
+    their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped outside
+    the fake mode: peft moves each new adapter to its base layer's device, which fake parameters cannot be
+    swapped for (an error, measured); the adapters of one or two layers are small real tensors.
+    modules_to_save are wrapped without peft's copy of them: deep-copying fake parameters crashed the process (a
+    segfault, measured, in the traced backward). A trainable copy of a module saves what the module itself saves
+    once made trainable, so the originals are made trainable instead."""
+    from peft import get_peft_model
+
+    traced = copy.deepcopy(lora)
+    to_save, traced.modules_to_save = list(traced.modules_to_save or []), None
+    model = get_peft_model(model, traced, autocast_adapter_dtype=False)
+    for name, module in model.named_modules():
+        if any(name == t or name.endswith("." + t) for t in to_save):
+            module.requires_grad_(True)
+    return model
 
 
 def _drop_when_ready(param) -> None:

@@ -1,6 +1,6 @@
 """The whole estimate for one launch: model states and buffers (states.py), activations (activations.py),
-the phase that sets the peak, host memory per node, and whether it fits. Also the table of what fits
-across GPU counts and configs, and the compute/time/energy of a token budget.
+the phase that sets the peak, host memory per node, and whether it fits. The table of what fits across GPU
+counts and configs is table.py; the compute/time/energy of a token budget, compute.py.
 
 The peak is the maximum over phases, never a sum of everything: activations live only in
 forward/backward, the optimizer's transients only in its step, and init (where ZeRO-1/2 build the whole
@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from ..config import ConfigError
 from ..ds_config import precision as ds_precision
 from .activations import Activations, activation_bytes
+from .shape import ModelShape
 from .states import PHASES, Setup, phases
 
 UNITS = {
@@ -28,18 +29,6 @@ UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
-}
-
-# Board power in watts (datasheet TDP/TBP of the SXM or PCIe part named), for energy = power x time.
-BOARD_POWER_W = {
-    "H200": 700,
-    "H100": 700,
-    "A100": 400,
-    "L40S": 350,
-    "A10G": 150,
-    "RTX 4090": 450,
-    "V100": 300,
-    "MI300X": 750,
 }
 
 # What a GPU needs beyond the peak of torch's allocations, which is all the estimate counts. Outside the
@@ -69,70 +58,6 @@ def parse_memory(text: str) -> int:
     unit = (m.group(2) or "").lower()
     unit = unit if unit.endswith("b") or unit == "" else unit + "b"
     return int(float(m.group(1)) * UNITS[unit])
-
-
-@dataclass
-class ModelShape:
-    num_params: int
-    """Parameters one rank holds before ZeRO: the whole model, or with tensor parallelism its AutoTP shard."""
-    largest_param: int
-    trainable: int | None = None
-    """LoRA: the parameters the optimizer steps (adapters, modules_to_save); None: all (full fine-tuning)."""
-    largest_trainable: int = 0
-    quantized: int = 0
-    """QLoRA: parameters stored in NF4 (every Linear weight but the output head); 0 without --load_in_4bit."""
-    largest_quantized: int = 0
-    tp: int = 1
-    """Tensor-parallel ranks per group (AutoTP's autotp_size)."""
-    full_params: int = 0
-    """The whole model's parameters when tp > 1 (num_params is then one rank's share); 0: num_params."""
-    vocab_parallel: bool = False
-    """tp > 1 and the tied embedding/head split along the vocabulary (logits V/tp wide)."""
-
-    @property
-    def model_params(self) -> int:
-        return self.full_params or self.num_params
-
-    @classmethod
-    def of(cls, config, lora=None, load_in_4bit: bool = False, tp: int = 1, tp_block=None) -> "ModelShape":
-        """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
-        LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
-        so the adapters' count is peft's, for any architecture and target list. With `tp` > 1, one rank's
-        share under AutoTP, split by DeepSpeed's own reading of the model's TP plan (tensor_parallel.split)."""
-        import copy
-
-        from ..lora import quantized_linears, trainable_count
-        from ..model import meta_model, num_params
-
-        model = meta_model(config)
-        if tp > 1:
-            if lora is not None or load_in_4bit:
-                raise ConfigError("the estimate does not model LoRA or 4-bit weights with tensor parallelism")
-            from .tensor_parallel import split
-
-            s = split(model, tp, tp_block)
-            return cls(
-                s.params_per_rank,
-                s.largest_per_rank,
-                tp=tp,
-                full_params=num_params(model),
-                vocab_parallel=s.vocab_parallel,
-            )
-        quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
-        if lora is None:
-            return cls(num_params(model), max(p.numel() for p in model.parameters()))
-        from peft import get_peft_model
-
-        model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        return cls(
-            num_params(model),
-            max(p.numel() for p in model.parameters()),
-            trainable_count(model)[0],
-            max((p.numel() for p in trainable), default=0),
-            sum(quantized),
-            max(quantized, default=0),
-        )
 
 
 @dataclass
@@ -202,9 +127,8 @@ def estimate(
     """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it; `lora` a peft
     LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None.
     Over 60 lines: the phases' device/host split is assembled term by term in one place, so each term's
-    source reads next to the others (issue 15 re-derives the GPU split here)."""
-    import torch
-
+    source reads next to the others (issue 15 re-derives the GPU split here); only the plumbing (the Setup, the
+    traced activations) and the host memory per node, which reads the split's result, are functions apart."""
     from ..ds_config import offloads, zero_stage
     from ..parallel import sequence_parallel_size, tensor_parallel_size
     from . import sequence_parallel
@@ -225,48 +149,10 @@ def estimate(
     stage = zero_stage(ds)
     off_opt, off_par = offloads(ds)
     zero = ds.get("zero_optimization", {})
-    setup = Setup(
-        shape.num_params,
-        shape.largest_param,
-        dp,
-        stage,
-        p,
-        precision != "fp32",
-        off_opt,
-        off_par,
-        zero,
-        adam_temporaries=(
-            (8 if launch.accelerator == "cpu" else 0)
-            if launch.optimizer_temporaries is None
-            else launch.optimizer_temporaries
-        ),
-        accelerator=launch.accelerator,
-        trainable=shape.trainable,
-        largest_trainable=shape.largest_trainable,
-        quantized=shape.quantized,
-        largest_quantized=shape.largest_quantized,
-        load_bytes=2
-        if precision == "bf16"
-        else 4,  # train.py's build_model: a pretrained base loads in bf16 under bf16
-    )
+    setup = _setup(shape, dp, stage, p, precision, off_opt, off_par, zero, launch)
     by_phase = phases(setup)
     if activations is None:
-        dtype = torch.float32 if p == 4 else torch.bfloat16
-        activations = activation_bytes(
-            model_config,
-            launch.micro_batch_size,
-            launch.seq_len,
-            dtype,
-            launch.gradient_checkpointing,
-            launch.attn_implementation,
-            lora,
-            tp,
-            shape.vocab_parallel,
-            sp,
-            launch.tiled_loss,
-            launch.loss_tile_tokens,
-            launch.tiled_mlp,
-        )
+        activations = _traced(model_config, launch, p, lora, tp, shape, sp)
     in_loss = tiled_head_gradient(model_config, launch, sp, p, dp, shape)
     table = {}
     for name in PHASES:
@@ -287,30 +173,7 @@ def estimate(
         }
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
-    # Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
-    # rank materialises the whole model on the host (fp32 for a random init) before DeepSpeed moves it; with
-    # it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time. Under tensor
-    # parallelism too: AutoTP splits the built model inside deepspeed.initialize (engine.py
-    # `_apply_autotp_partitioning`), so each rank first holds the whole of it.
-    host_states = max(t["host_bytes"] for t in table.values())
-    full = shape.model_params
-    init_host = 4 * full if stage < 3 else min(5 * 10**9, 2 * full)
-    if shape.trainable is not None:  # LoRA loads a pretrained base in setup.load_bytes (and its reads, states.py)
-        init_host = setup.load_bytes * shape.num_params + by_phase["init"].host_buffers if stage < 3 else init_host
-    nvme = {off_opt, off_par} & {"nvme"}
-    offloaded_to_host = 0 if nvme else host_states
-    # pin_memory defaults to true in DeepSpeed 0.19.8 (runtime/zero/offload_config.py): pinned unless a file says false
-    pinned = any(
-        isinstance(zero.get(k), dict)
-        and zero[k].get("device") not in (None, "none")
-        and zero[k].get("pin_memory", True)
-        for k in ("offload_optimizer", "offload_param")
-    )
-    per_node = {
-        "cpu_bytes": launch.num_gpus * max(offloaded_to_host, init_host),
-        "pinned_bytes": launch.num_gpus * offloaded_to_host if pinned else 0,
-        "nvme_bytes": launch.num_gpus * host_states if nvme else 0,
-    }
+    per_node = _per_node(table, shape, setup, by_phase["init"].host_buffers, launch.num_gpus)
     per_gpu = {
         "peak_bytes": top["device_bytes"],
         "peak_phase": peak_phase,
@@ -336,6 +199,84 @@ def estimate(
         params_per_rank=shape.num_params,
         sequence_parallel=sp,
     )
+
+
+def _setup(shape: ModelShape, dp: int, stage: int, p: int, precision: str, off_opt, off_par, zero: dict, launch):
+    """The model states' inputs (states.Setup) for this shape, ZeRO config and launch."""
+    return Setup(
+        shape.num_params,
+        shape.largest_param,
+        dp,
+        stage,
+        p,
+        precision != "fp32",
+        off_opt,
+        off_par,
+        zero,
+        adam_temporaries=(
+            (8 if launch.accelerator == "cpu" else 0)
+            if launch.optimizer_temporaries is None
+            else launch.optimizer_temporaries
+        ),
+        accelerator=launch.accelerator,
+        trainable=shape.trainable,
+        largest_trainable=shape.largest_trainable,
+        quantized=shape.quantized,
+        largest_quantized=shape.largest_quantized,
+        load_bytes=2
+        if precision == "bf16"
+        else 4,  # train.py's build_model: a pretrained base loads in bf16 under bf16
+    )
+
+
+def _traced(model_config, launch: Launch, p: int, lora, tp: int, shape: ModelShape, sp: int) -> Activations:
+    """The launch's activations (activations.activation_bytes) in the run's dtype."""
+    import torch
+
+    dtype = torch.float32 if p == 4 else torch.bfloat16
+    return activation_bytes(
+        model_config,
+        launch.micro_batch_size,
+        launch.seq_len,
+        dtype,
+        launch.gradient_checkpointing,
+        launch.attn_implementation,
+        lora,
+        tp,
+        shape.vocab_parallel,
+        sp,
+        launch.tiled_loss,
+        launch.loss_tile_tokens,
+        launch.tiled_mlp,
+    )
+
+
+def _per_node(table: dict, shape: ModelShape, setup: Setup, init_host_buffers: int, num_gpus: int) -> dict:
+    """Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
+    rank materialises the whole model on the host (fp32 for a random init) before DeepSpeed moves it; with
+    it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time. Under tensor
+    parallelism too: AutoTP splits the built model inside deepspeed.initialize (engine.py
+    `_apply_autotp_partitioning`), so each rank first holds the whole of it."""
+    stage, off_opt, off_par, zero = setup.stage, setup.offload_optimizer, setup.offload_param, setup.zero
+    host_states = max(t["host_bytes"] for t in table.values())
+    full = shape.model_params
+    init_host = 4 * full if stage < 3 else min(5 * 10**9, 2 * full)
+    if shape.trainable is not None:  # LoRA loads a pretrained base in setup.load_bytes (and its reads, states.py)
+        init_host = setup.load_bytes * shape.num_params + init_host_buffers if stage < 3 else init_host
+    nvme = {off_opt, off_par} & {"nvme"}
+    offloaded_to_host = 0 if nvme else host_states
+    # pin_memory defaults to true in DeepSpeed 0.19.8 (runtime/zero/offload_config.py): pinned unless a file says false
+    pinned = any(
+        isinstance(zero.get(k), dict)
+        and zero[k].get("device") not in (None, "none")
+        and zero[k].get("pin_memory", True)
+        for k in ("offload_optimizer", "offload_param")
+    )
+    return {
+        "cpu_bytes": num_gpus * max(offloaded_to_host, init_host),
+        "pinned_bytes": num_gpus * offloaded_to_host if pinned else 0,
+        "nvme_bytes": num_gpus * host_states if nvme else 0,
+    }
 
 
 def tiled_head_gradient(model_config, launch: Launch, sp: int, p: int, n: int, shape: ModelShape) -> int:
@@ -364,43 +305,6 @@ def rank_total(e: Estimate, phase: str) -> int:
     """Device plus this rank's host bytes in one phase: what one rank holds on a CPU accelerator."""
     t = e.phases[phase]
     return t["device_bytes"] + t["host_bytes"]
-
-
-def training_compute(
-    model_config,
-    num_params: int,
-    tokens: float,
-    seq_len: int,
-    gpus: int,
-    device: str,
-    dtype: str,
-    mfu: float,
-    power_w: float | None,
-) -> dict:
-    """Total FLOPs (6N per token plus attention, the FLOPs function train.py uses), wall time and GPU-hours at
-    the stated MFU, and energy at board power."""
-    from ..metrics import model_flops_per_token, peak_flops_from_table
-
-    flops = model_flops_per_token(model_config, seq_len) * tokens
-    peak = peak_flops_from_table(device, dtype)
-    if peak is None:
-        raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of {', '.join(BOARD_POWER_W)}")
-    seconds = flops / (gpus * peak * mfu)
-    power = power_w or next((w for k, w in BOARD_POWER_W.items() if k.lower() in device.lower()), None)
-    out = {
-        "tokens": tokens,
-        "total_flops": flops,
-        "six_n_d_flops": 6 * num_params * tokens,
-        "device": device,
-        "peak_flops_per_gpu": peak,
-        "mfu": mfu,
-        "gpus": gpus,
-        "wall_seconds": seconds,
-        "gpu_hours": seconds * gpus / 3600,
-    }
-    if power:
-        out.update(board_power_w=power, energy_kwh=power * gpus * seconds / 3.6e6)
-    return out
 
 
 def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, str]:

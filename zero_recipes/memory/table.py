@@ -83,7 +83,7 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
     import torch
 
     from .activations import activation_bytes
-    from .estimate import ModelShape
+    from .shape import ModelShape
 
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # activations: 2 bytes in bf16 and fp16 alike
     shape = ModelShape.of(config, lora, tp=tp, tp_block={"autotp_size": tp})
@@ -155,11 +155,9 @@ def table(args, gpu_memory: int, load) -> dict:
     """Every GPU count x config x gradient checkpointing (and the LoRA and TP sizes tried); activations scaled
     by micro-batch (exact for sdpa/flash: they are linear in it). `load(args, deepspeed_files, world)` is the
     CLI's parsing through train.py's: (TrainConfig, model config, resolved DeepSpeed dict, notes)."""
-    import dataclasses
     import tempfile
 
     from ..ds_config import precision as ds_precision
-    from .estimate import Launch, estimate
 
     with tempfile.TemporaryDirectory(prefix="zr-table-") as tmp:
         # each cell's TP size as one more fragment, last, so it overrides one the user's files may set
@@ -168,32 +166,13 @@ def table(args, gpu_memory: int, load) -> dict:
         precision = ds_precision(ds)
         variants = table_variants(cfg, config, precision)
         variants += tp_variants(cfg, config, ds, precision, notes)
-        rows, lora_rows, tp_rows, best, best_full = [], [], [], {}, {}
+        rows = {"rows": [], "lora_rows": [], "tp_rows": []}
+        best, best_full = {}, {}
         extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
         micro0 = cfg.per_device_train_batch_size
-
-        def run(v, ds_n, n, gc, micro):
-            act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
-            launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
-            return estimate(config, ds_n, launch, v["shape"], act, gpu_memory, lora=v["lora"])
-
+        run = cell_estimator(args, cfg, config, gpu_memory)
         for n in GPU_COUNTS:
-            fitting = {}
-            for v in variants:
-                if n % v["tp"]:  # a TP group stays within a node: its size divides the GPUs per node
-                    continue
-                into = tp_rows if v["tp"] > 1 else rows if v is variants[0] else lora_rows
-                for gc in (False, True):
-                    for name in v["configs"]:
-                        files = [*TABLE_CONFIGS[name], *extra, fragment[v["tp"]]]
-                        _, _, ds_n, _ = load(args, files, n * args.num_nodes)
-                        e = run(v, ds_n, n, gc, micro0)
-                        row = {"num_gpus": n, "config": name, "gradient_checkpointing": gc}
-                        row.update(peak_bytes=e.per_gpu["peak_bytes"], fits=e.fits, fit=e.fit, lora_r=v["lora_r"])
-                        row["tensor_parallel"] = v["tp"]
-                        into.append(row)
-                        if e.fits:
-                            fitting[name, gc, v["lora_r"], v["tp"]] = (ds_n, e, v)
+            fitting = grid_rows(args, n, variants, extra, fragment, load, run, micro0, rows)
             full = [v for v in variants if v["lora_r"] == variants[0]["lora_r"]]
             for order, into in ((preference(variants), best), (preference(full), best_full)):
                 choice = first_fitting(order, fitting, lambda v, ds_n, gc, micro: run(v, ds_n, n, gc, micro), micro0)
@@ -202,6 +181,50 @@ def table(args, gpu_memory: int, load) -> dict:
         longest = None  # --longest_sequence false: the table alone (the search costs about a minute for an 8B)
         if getattr(args, "longest_sequence", "true") != "false":
             longest = longest_rows(args, cfg, config, extra, fragment[1], load, gpu_memory, notes)
+    return summary(cfg, variants, precision, gpu_memory, rows, best, best_full, longest, notes)
+
+
+def cell_estimator(args, cfg, config, gpu_memory: int):
+    """run(variant, resolved ds, GPUs per node, checkpointing, micro-batch): one cell's estimate, the variant's
+    activations (traced at micro-batch 1) scaled by the micro-batch."""
+    import dataclasses
+
+    from .estimate import Launch, estimate
+
+    def run(v, ds_n, n, gc, micro):
+        act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
+        launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
+        return estimate(config, ds_n, launch, v["shape"], act, gpu_memory, lora=v["lora"])
+
+    return run
+
+
+def grid_rows(args, n: int, variants: list, extra: list, fragment: dict, load, run, micro0: int, rows: dict) -> dict:
+    """One GPU count's cells, each appended as a row to rows["rows"] (the run as given), rows["lora_rows"] (the
+    LoRA the table tried) or rows["tp_rows"]; returns those that fit, by (config, checkpointing, lora_r, tp), with
+    what first_fitting needs of them: (resolved ds, Estimate, variant)."""
+    fitting = {}
+    for v in variants:
+        if n % v["tp"]:  # a TP group stays within a node: its size divides the GPUs per node
+            continue
+        into = rows["tp_rows"] if v["tp"] > 1 else rows["rows"] if v is variants[0] else rows["lora_rows"]
+        for gc in (False, True):
+            for name in v["configs"]:
+                files = [*TABLE_CONFIGS[name], *extra, fragment[v["tp"]]]
+                _, _, ds_n, _ = load(args, files, n * args.num_nodes)
+                e = run(v, ds_n, n, gc, micro0)
+                row = {"num_gpus": n, "config": name, "gradient_checkpointing": gc}
+                row.update(peak_bytes=e.per_gpu["peak_bytes"], fits=e.fits, fit=e.fit, lora_r=v["lora_r"])
+                row["tensor_parallel"] = v["tp"]
+                into.append(row)
+                if e.fits:
+                    fitting[name, gc, v["lora_r"], v["tp"]] = (ds_n, e, v)
+    return fitting
+
+
+def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, best_full, longest, notes) -> dict:
+    """The table as tools/estimate_memory.py prints it (--json: as it is)."""
+    micro0 = cfg.per_device_train_batch_size
     return {
         "num_params": variants[0]["shape"].num_params,
         "precision": precision,
@@ -209,11 +232,11 @@ def table(args, gpu_memory: int, load) -> dict:
         "micro_batch_size": micro0,
         "gpu_memory": gpu_memory,
         "lora_r": cfg.lora_r,
-        "rows": rows,
-        "lora_rows": lora_rows,
-        "tp_rows": tp_rows,
+        "rows": rows["rows"],
+        "lora_rows": rows["lora_rows"],
+        "tp_rows": rows["tp_rows"],
         "tensor_parallel_tried": sorted({v["tp"] for v in variants if v["tp"] > 1}),
-        "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if lora_rows else None,
+        "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if rows["lora_rows"] else None,
         "recommended": best,
         "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
         "longest_sequence": longest
@@ -286,7 +309,7 @@ def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None) -> d
 
 
 def _shape(config):
-    from .estimate import ModelShape
+    from .shape import ModelShape
 
     return ModelShape.of(config)
 

@@ -1,0 +1,55 @@
+"""The compute, time and energy of a token budget (tools/estimate_memory.py --tokens): total FLOPs, wall time and
+GPU-hours at an assumed MFU, and energy at board power."""
+
+from __future__ import annotations
+
+from ..config import ConfigError
+
+# Board power in watts (datasheet TDP/TBP of the SXM or PCIe part named), for energy = power x time.
+BOARD_POWER_W = {
+    "H200": 700,
+    "H100": 700,
+    "A100": 400,
+    "L40S": 350,
+    "A10G": 150,
+    "RTX 4090": 450,
+    "V100": 300,
+    "MI300X": 750,
+}
+
+
+def training_compute(
+    model_config,
+    num_params: int,
+    tokens: float,
+    seq_len: int,
+    gpus: int,
+    device: str,
+    dtype: str,
+    mfu: float,
+    power_w: float | None,
+) -> dict:
+    """Total FLOPs (6N per token plus attention, the FLOPs function train.py uses), wall time and GPU-hours at
+    the stated MFU, and energy at board power."""
+    from ..metrics import model_flops_per_token, peak_flops_from_table
+
+    flops = model_flops_per_token(model_config, seq_len) * tokens
+    peak = peak_flops_from_table(device, dtype)
+    if peak is None:
+        raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of {', '.join(BOARD_POWER_W)}")
+    seconds = flops / (gpus * peak * mfu)
+    power = power_w or next((w for k, w in BOARD_POWER_W.items() if k.lower() in device.lower()), None)
+    out = {
+        "tokens": tokens,
+        "total_flops": flops,
+        "six_n_d_flops": 6 * num_params * tokens,
+        "device": device,
+        "peak_flops_per_gpu": peak,
+        "mfu": mfu,
+        "gpus": gpus,
+        "wall_seconds": seconds,
+        "gpu_hours": seconds * gpus / 3600,
+    }
+    if power:
+        out.update(board_power_w=power, energy_kwh=power * gpus * seconds / 3.6e6)
+    return out

@@ -1,0 +1,193 @@
+"""tools/estimate_memory.py's arguments read through train.py's own parsing: the TrainConfig, model config and
+resolved DeepSpeed config a run with them would use (`load`), and the estimate of that one run (`one`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import ConfigError
+from .table import lora_of
+
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
+
+
+def load(args, deepspeed: list[str], world: int, micro: int | None = None):
+    """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
+    from .. import ds_config, lm_loss, parallel, sequence_parallel
+    from ..config import parse_args
+
+    cfg, explicit = parse_args(train_argv(args, deepspeed, micro))
+    config, hidden = model_config(args, cfg)
+    raw = ds_config.load_fragments(cfg.deepspeed)
+    flag_overrides(args, raw)
+    notes = precision_notes(raw, cfg)
+    resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
+    cfg = resolved.cfg
+    ds = ds_config.with_steps(resolved.ds, cfg, 1000)
+    mesh = parallel.Mesh.of(world, ds)
+    parallel.check_mesh(mesh)
+    parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
+    notes += sequence_parallel.check(mesh, config, ds, cfg, lm_loss.knows_head(config))
+    return cfg, config, ds, notes
+
+
+def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
+    """The CLI's arguments as train.py's command line."""
+    argv = ["--recipe", args.recipe] if args.recipe else []
+    if args.model:
+        # LoRA needs a pretrained base (zero_recipes.lora.validate_options); of a config.json the estimate reads
+        # only the architecture, which AutoConfig.from_pretrained reads from the file as well
+        as_config = args.model.endswith(".json") and not lora_requested(args)
+        argv += ["--model_config" if as_config else "--model_name_or_path", args.model]
+    for name in LORA_OPTIONS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name}", *(value if isinstance(value, list) else [str(value)])]
+    if args.load_in_4bit:
+        argv += ["--load_in_4bit", "true"]
+    if micro or args.micro_batch_size or not args.recipe:
+        argv += ["--per_device_train_batch_size", str(micro or args.micro_batch_size or 1)]
+    if args.seq_len:
+        argv += ["--block_size", str(args.seq_len)]
+    if args.gradient_checkpointing:
+        argv += ["--gradient_checkpointing", "true"]
+    for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp"):  # train.py's flags, parsed by train.py's parser
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name}", str(value).lower()]
+    if deepspeed:
+        argv += ["--deepspeed", *deepspeed]
+    return argv
+
+
+def model_config(args, cfg):
+    """(model config, hidden size), the input checked as train.py checks it, and a config.json checked for what
+    the estimate needs of it."""
+    from .. import model as modeling
+
+    if args.model and args.model.endswith(".json") and cfg.lora_r > 0:
+        check_config_file(args.model)
+    if not cfg.deepspeed:
+        raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
+    if args.model and args.model.endswith(".json"):
+        check_config_file(args.model)
+    config = modeling.load_model_config(cfg)
+    hidden = modeling.hidden_size(config)
+    if not hidden:
+        raise ConfigError(
+            "the model config has no hidden_size; give a complete config.json (with model_type "
+            "and hidden_size), a model directory or a hub id"
+        )
+    if cfg.lora_r > 0:
+        from .. import lora
+
+        lora.check_targets(
+            cfg, modeling.meta_model(config), config.model_type
+        )  # a target the model lacks: the same one-line error as train.py's
+    return config, hidden
+
+
+def flag_overrides(args, raw: dict) -> None:
+    """--tensor_parallel and --sequence_parallel over what the merged DeepSpeed fragments set."""
+    if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
+        raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
+    if args.sequence_parallel and not args.table:
+        raw["sequence_parallel_size"] = args.sequence_parallel
+
+
+def precision_notes(raw: dict, cfg) -> list[str]:
+    """What the estimate assumes about the precision: fp32 when nothing sets one, NF4 under load_in_4bit."""
+    notes = []
+    if (
+        all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
+        and cfg.bf16 is None
+        and cfg.fp16 is None
+    ):
+        notes.append(
+            'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
+            "would train in fp32); add ds_configs/bf16.json for bf16"
+        )
+    if cfg.load_in_4bit:
+        notes.append(
+            "load_in_4bit (QLoRA): linear weights counted at NF4's 0.52 bytes each (4-bit codes and double-"
+            "quantised scales), the rest of the base in 16 bits; derived from bitsandbytes' layout, not measured"
+        )
+    return notes
+
+
+def lora_requested(args) -> bool:
+    """LoRA set by a flag or by the recipe (a `lora:` block or `lora_r:`)."""
+    if args.lora_r is not None:
+        return args.lora_r > 0
+    if not args.recipe:
+        return False
+    from ..config import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    block = recipe.get("lora") if isinstance(recipe.get("lora"), dict) else {}
+    return bool(recipe.get("lora_r", block.get("r", 0)))
+
+
+def check_config_file(path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; give a config.json, a model directory or a hub id")
+    data = json.loads(p.read_text())
+    if not any(k in data or k in data.get("text_config", {}) for k in ("hidden_size", "n_embd", "d_model")):
+        raise ConfigError(
+            f"{path} has no hidden_size; a config.json must give the model's width (hidden_size, or "
+            "n_embd for GPT-2) so the estimate is of your model, not of a default one"
+        )
+    if "model_type" not in data:
+        raise ConfigError(f'{path} has no model_type; add it (e.g. "model_type": "llama") so the architecture is known')
+
+
+def one(args, gpu_memory):
+    """The estimate of the one run the arguments describe, with its notes: (Estimate, TrainConfig, model config)."""
+    from .estimate import Launch, estimate
+
+    world = args.num_gpus * args.num_nodes
+    cfg, config, ds, notes = load(args, args.deepspeed, world)
+    launch = Launch(
+        args.num_gpus,
+        args.num_nodes,
+        cfg.per_device_train_batch_size,
+        cfg.block_size,
+        cfg.gradient_checkpointing,
+        cfg.attn_implementation or "sdpa",
+        tiled_loss=cfg.tiled_loss,
+        loss_tile_tokens=cfg.loss_tile_tokens,
+        tiled_mlp=cfg.tiled_mlp,
+    )
+    e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
+    if e.tensor_parallel > args.num_gpus:
+        notes.append(
+            f"a tensor-parallel group of {e.tensor_parallel} spans {args.num_gpus}-GPU nodes: its per-layer all-reduces "
+            "would cross the network; keep autotp_size within the GPUs per node"
+        )
+    if e.sequence_parallel > args.num_gpus:
+        notes.append(
+            f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
+            "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
+        )
+    e.notes = notes + loss_notes(cfg, config, e.sequence_parallel)
+    return e, cfg, config
+
+
+def loss_notes(cfg, config, sp: int) -> list[str]:
+    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.lm_loss)."""
+    from .activations import loss_tile
+
+    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, cfg.tiled_loss, cfg.loss_tile_tokens)
+    local = cfg.per_device_train_batch_size * cfg.block_size // sp
+    notes = []
+    if tile and local > tile:
+        notes.append(
+            f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "
+            f"{local} tokens'); --tiled_loss false for the whole logits"
+        )
+    if cfg.tiled_mlp:
+        hidden = config.get_text_config().hidden_size
+        notes.append(f"mlp: tiled, {-(-cfg.block_size // sp // hidden)} tile(s) of up to {hidden} tokens per MLP")
+    return notes

@@ -1,0 +1,72 @@
+"""A model's parameter counts for the estimate, built on the meta device from its config alone: the whole model,
+LoRA's trainable share (peft's own count), QLoRA's quantised linears, and one tensor-parallel rank's AutoTP shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError
+
+
+@dataclass
+class ModelShape:
+    num_params: int
+    """Parameters one rank holds before ZeRO: the whole model, or with tensor parallelism its AutoTP shard."""
+    largest_param: int
+    trainable: int | None = None
+    """LoRA: the parameters the optimizer steps (adapters, modules_to_save); None: all (full fine-tuning)."""
+    largest_trainable: int = 0
+    quantized: int = 0
+    """QLoRA: parameters stored in NF4 (every Linear weight but the output head); 0 without --load_in_4bit."""
+    largest_quantized: int = 0
+    tp: int = 1
+    """Tensor-parallel ranks per group (AutoTP's autotp_size)."""
+    full_params: int = 0
+    """The whole model's parameters when tp > 1 (num_params is then one rank's share); 0: num_params."""
+    vocab_parallel: bool = False
+    """tp > 1 and the tied embedding/head split along the vocabulary (logits V/tp wide)."""
+
+    @property
+    def model_params(self) -> int:
+        return self.full_params or self.num_params
+
+    @classmethod
+    def of(cls, config, lora=None, load_in_4bit: bool = False, tp: int = 1, tp_block=None) -> "ModelShape":
+        """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
+        LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
+        so the adapters' count is peft's, for any architecture and target list. With `tp` > 1, one rank's
+        share under AutoTP, split by DeepSpeed's own reading of the model's TP plan (tensor_parallel.split)."""
+        import copy
+
+        from ..lora import quantized_linears, trainable_count
+        from ..model import meta_model, num_params
+
+        model = meta_model(config)
+        if tp > 1:
+            if lora is not None or load_in_4bit:
+                raise ConfigError("the estimate does not model LoRA or 4-bit weights with tensor parallelism")
+            from .tensor_parallel import split
+
+            s = split(model, tp, tp_block)
+            return cls(
+                s.params_per_rank,
+                s.largest_per_rank,
+                tp=tp,
+                full_params=num_params(model),
+                vocab_parallel=s.vocab_parallel,
+            )
+        quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
+        if lora is None:
+            return cls(num_params(model), max(p.numel() for p in model.parameters()))
+        from peft import get_peft_model
+
+        model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return cls(
+            num_params(model),
+            max(p.numel() for p in model.parameters()),
+            trainable_count(model)[0],
+            max((p.numel() for p in trainable), default=0),
+            sum(quantized),
+            max(quantized, default=0),
+        )
