@@ -46,7 +46,8 @@ from zero_recipes import (
     resume as resuming,
     sequence_parallel,
 )
-from zero_recipes.config import ConfigError, help_text
+from zero_recipes.cli import help_text
+from zero_recipes.config import ConfigError
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
 

@@ -1,24 +1,18 @@
 """The whole configuration of a run: one typed schema, filled by a YAML recipe and `--key value` flags.
 
 Field names follow Hugging Face `TrainingArguments` wherever one exists, so HF users feel at home.
-Precedence, lowest to highest: the schema defaults, `--recipe FILE.yaml`, then command-line flags.
+Precedence, lowest to highest: the schema defaults, `--recipe FILE.yaml`, then command-line flags
+(read in cli.py, which also prints `--help` from the docstrings here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
-
-import yaml
-
-from .distributed import accelerate_launch_choices
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -231,92 +225,10 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 TRACKERS = ("tensorboard", "wandb")  # what `report_to` can name, besides "all" and "none"
 
 
-def field_docs() -> dict[str, str]:
-    """Field docstrings, read from the source so `--help` shows the schema's own words."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    docs, last = {}, None
-    for node in tree.body[0].body:
-        if isinstance(node, ast.AnnAssign):
-            last = node.target.id
-        elif last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[last] = " ".join(str(node.value.value).split())
-            last = None
-    return docs
-
-
-def _base_type(tp):
-    """Optional[int] -> int; list/dict stay."""
-    tp = eval(tp, vars(typing)) if isinstance(tp, str) else tp
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else Any
-    return tp
-
-
-def parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "y", "on"):
-        return True
-    if text in ("false", "0", "no", "n", "off"):
-        return False
-    raise ConfigError(f"--{name} expects true or false, got {value!r}")
-
-
-def coerce(name: str, value: Any) -> Any:
-    """Convert a YAML or command-line value to the field's type, with an error naming the field."""
-    tp = _base_type(FIELDS[name].type)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and tp is not str):
-        return None
-    try:
-        if tp is bool:
-            return parse_bool(name, value)
-        if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-        if tp is list:
-            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    except (TypeError, ValueError):
-        raise ConfigError(f"--{name} expects {tp.__name__}, got {value!r}") from None
-    return value
-
-
-def unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else "; see `python train.py --help` for the options"
-    return ConfigError(f"unknown option '{key}' in {where}{hint}")
-
-
 def unknown_choice_error(name: str, value: str, choices) -> ConfigError:
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"--{name} '{value}' is not one of {', '.join(choices)}{hint}")
-
-
-def load_recipe(path: str) -> dict:
-    p = resolve_path(path)
-    if not p.is_file():
-        recipes = sorted(x.name for x in (REPO_ROOT / "recipes").glob("*.yaml"))
-        raise ConfigError(f"recipe '{path}' not found; shipped recipes: {', '.join(recipes)}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"recipe {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of option: value, got {type(data).__name__}")
-    return data
 
 
 def resolve_path(path: str) -> Path:
@@ -327,57 +239,6 @@ def resolve_path(path: str) -> Path:
         return p
     alt = REPO_ROOT / p
     return alt if alt.exists() else p
-
-
-def split_argv(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """['--a', '1', '--flag', '--b=2', '--deepspeed', 'x.json', 'y.json'] -> [(a,[1]), (flag,[]), ...]"""
-    items: list[tuple[str, list[str]]] = []
-    for tok in argv:
-        if tok.startswith("--") and len(tok) > 2:
-            key, eq, val = tok[2:].partition("=")
-            items.append((key.replace("-", "_"), [val] if eq else []))
-        elif items:
-            items[-1][1].append(tok)
-        else:
-            raise ConfigError(f"unexpected argument '{tok}'; options look like --key value")
-    return items
-
-
-def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
-    """Build the config from argv. Returns it and the names of the fields the user set explicitly."""
-    items = split_argv(argv)
-    values: dict[str, Any] = {}
-    recipe = [v for k, v in items if k == "recipe"]
-    if recipe:
-        if len(recipe[-1]) != 1:
-            raise ConfigError("--recipe takes one YAML file, e.g. --recipe recipes/tiny-llama.yaml")
-        path = recipe[-1][0]
-        from .lora import flatten_recipe_block
-
-        for key, value in flatten_recipe_block(load_recipe(path), path).items():
-            if key not in FIELDS:
-                raise unknown_key_error(key, f"recipe {path}")
-            values[key] = coerce(key, value)
-    for key, vals in items:
-        if key == "recipe":
-            continue
-        if key not in FIELDS:
-            raise unknown_key_error(key, "the command line")
-        tp = _base_type(FIELDS[key].type)
-        if tp is list:
-            if not vals:
-                raise ConfigError(f"--{key} needs at least one value")
-            values[key] = vals
-        elif tp is bool and not vals:
-            values[key] = True
-        elif len(vals) != 1:
-            raise ConfigError(f"--{key} takes one value, got {len(vals)}: {' '.join(vals) or '(none)'}")
-        else:
-            values[key] = coerce(key, vals[0])
-    values.update(accelerate_launch_choices(values))  # accelerate launch's DeepSpeed JSON and precision
-    cfg = TrainConfig(**values)
-    validate(cfg)
-    return cfg, set(values) - {"local_rank"}
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -420,47 +281,3 @@ def validate(cfg: TrainConfig) -> None:
     validate_options(cfg)
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
-
-
-def parse_inline_or_file(name: str, value: Any) -> Any:
-    """A structured option given as a recipe mapping/list, inline JSON, or a JSON/YAML file."""
-    if value is None or isinstance(value, (dict, list)):
-        return value
-    text = str(value).strip()
-    if text.startswith(("{", "[")):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--{name} inline JSON is invalid at column {e.colno}: {e.msg}") from None
-    p = resolve_path(text)
-    if not p.is_file():
-        raise ConfigError(f"--{name} '{text}' is neither inline JSON nor an existing file")
-    try:
-        return json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {e}") from None
-
-
-def parse_model_config(value: Any) -> Optional[dict]:
-    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
-    data = parse_inline_or_file("model_config", value)
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"--model_config must be an object of HF config fields, got {type(data).__name__}")
-    return data
-
-
-def help_text() -> str:
-    docs = field_docs()
-    lines = [
-        "usage: deepspeed train.py --deepspeed ds_configs/zero3.json [--recipe recipes/X.yaml] [--key value ...]",
-        "",
-        "options (also valid as recipe keys):",
-    ]
-    for name, f in FIELDS.items():
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{name} (default: {default!r})")
-        if docs.get(name):
-            lines.append(f"      {docs[name]}")
-    return "\n".join(lines)

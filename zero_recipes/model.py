@@ -8,7 +8,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError, TrainConfig, parse_model_config
+from .cli import parse_model_config
+from .config import ConfigError, TrainConfig
 
 TINY_LLAMA = dict(
     model_type="llama",

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import distributed, ds_config, lm_loss, model as modeling, parallel, sequence_parallel
-from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig, parse_args, parse_inline_or_file, parse_model_config
+from .cli import parse_args, parse_inline_or_file, parse_model_config
+from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from zero_recipes.config import ConfigError, TrainConfig, parse_args, parse_model_config
+from zero_recipes.cli import parse_args, parse_model_config
+from zero_recipes.config import ConfigError, TrainConfig
 
 DS = ["--deepspeed", "ds_configs/zero2.json"]
 

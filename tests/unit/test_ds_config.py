@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from zero_recipes.config import ConfigError, parse_args
+from zero_recipes.cli import parse_args
+from zero_recipes.config import ConfigError
 from zero_recipes.ds_config import deep_merge, load_fragments, resolve, with_steps
 
 

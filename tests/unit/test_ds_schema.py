@@ -10,7 +10,8 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import Field
 
 from zero_recipes import ds_checks
-from zero_recipes.config import ConfigError, parse_args
+from zero_recipes.cli import parse_args
+from zero_recipes.config import ConfigError
 from zero_recipes.ds_config import load_fragments, resolve
 from zero_recipes.ds_schema import describe, names_of, normalise, validate
 

@@ -50,7 +50,7 @@ def estimate_case(case: dict):
     from transformers import AutoConfig
 
     from zero_recipes import ds_config
-    from zero_recipes.config import parse_args
+    from zero_recipes.cli import parse_args
     from zero_recipes.memory import Launch, estimate
     from zero_recipes.model import hidden_size
 

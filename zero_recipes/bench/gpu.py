@@ -86,7 +86,7 @@ def predicted(files: tuple[str, ...]) -> int:
     from transformers import AutoConfig
 
     from zero_recipes import ds_config
-    from zero_recipes.config import parse_args
+    from zero_recipes.cli import parse_args
     from zero_recipes.memory import Launch, estimate
 
     fields = dict(LLAMA_1B)

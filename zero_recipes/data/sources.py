@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, ConfigError, parse_inline_or_file
+from ..cli import parse_inline_or_file
+from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, ConfigError
 from . import builtin
 
 LOCAL_BUILDERS = {

@@ -15,7 +15,7 @@ LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "
 def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
     from .. import ds_config, lm_loss, parallel, sequence_parallel
-    from ..config import parse_args
+    from ..cli import parse_args
 
     cfg, explicit = parse_args(train_argv(args, deepspeed, micro))
     config, hidden = model_config(args, cfg)
@@ -122,7 +122,7 @@ def lora_requested(args) -> bool:
         return args.lora_r > 0
     if not args.recipe:
         return False
-    from ..config import load_recipe
+    from ..cli import load_recipe
 
     recipe = load_recipe(args.recipe)
     block = recipe.get("lora") if isinstance(recipe.get("lora"), dict) else {}
