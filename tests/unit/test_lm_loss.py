@@ -37,13 +37,17 @@ def grads_of(head, hidden, targets, tiles, upstream):
 
 
 @pytest.mark.parametrize("tiles", [2, 3, 7, 128])
-def test_tiled_sum_and_gradients_equal_the_untiled_within_1e6(tiles):
+def test_tiled_sum_and_gradients_equal_the_untiled_in_fp32(tiles):
+    """The loss within 1e-6 relative; each gradient within 4e-6 of its largest entry. A tile's gradient is
+    the same 512-term dot products computed with another matmul blocking, so they round differently: measured
+    up to 1.16e-6 (one-token tiles, the input gradient) on an AMD EPYC, 3.9e-7 for the head's. A missing
+    scale or a misplaced tile boundary is off by orders of magnitude more."""
     head, hidden, targets = head_and_inputs()
     ref = grads_of(head, hidden, targets, 1, 0.5)
     got = grads_of(head, hidden, targets, tiles, 0.5)
     assert torch.allclose(got[0], ref[0], rtol=1e-6, atol=0)
     for g, r in zip(got[1:], ref[1:]):
-        assert (g - r).abs().max().item() <= 1e-6 * r.abs().max().item()
+        assert (g - r).abs().max().item() <= 4e-6 * r.abs().max().item()
 
 
 def test_untiled_sum_is_transformers_loss():
