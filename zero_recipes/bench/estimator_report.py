@@ -38,13 +38,11 @@ def tp_summary(points: list) -> str:
     tp = [p for p in points if p.get("tp", 1) > 1]
     if not tp:
         return "- No tensor-parallel points in this run."
-    errs = [p["error"] for p in tp]
-    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
     same = sum(p.get("predicted_params_per_rank") == p["num_params"] for p in tp)
     return (
         f'- Tensor parallelism (AutoTP, `{{"tensor_parallel": {{"autotp_size": 2}}}}` as one more fragment; '
         "`--only tp` remeasures these): "
-        f"{inside} of {len(errs)} in target at their peak, worst over {max(errs):+.1%}, worst under {min(errs):+.1%}. "
+        f"{in_target(tp)}. "
         "The model column counts one rank's parameters after AutoTP split them; the estimate's count (DeepSpeed's "
         f"own reading of the model's TP plan on the meta model) equals the probe's on {same} of {len(tp)} points. "
         "ZeRO partitions over the data-parallel ranks alone. The 4-rank points (TP2 x DP2, 4 processes on 2 cores) "
@@ -57,17 +55,27 @@ def tp_summary(points: list) -> str:
     )
 
 
+def target_counts(points: list) -> tuple[int, list[float]]:
+    """The points' peak errors, and how many lie inside the target band."""
+    errs = [p["error"] for p in points]
+    return sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs), errs
+
+
+def in_target(points: list) -> str:
+    """How many points' peak errors are inside the target band, and the worst either way."""
+    inside, errs = target_counts(points)
+    return f"{inside} of {len(errs)} in target at their peak, worst over {max(errs):+.1%}, worst under {min(errs):+.1%}"
+
+
 def long_summary(points: list) -> str:
     long = [p for p in points if p.get("long")]
     if not long:
         return "- No long-context points in this run."
-    errs = [p["error"] for p in long]
-    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
     return (
         '- Long context (`--only long` remeasures these): Ulysses SP (`{"sequence_parallel_size": 2}` as one more '
         "fragment; the probe cuts each row as train.py does and registers DeepSpeed's Ulysses attention) and train.py's "
         "tiled loss and MLP (zero_recipes.lm_loss installed as train.py installs it): "
-        f"{inside} of {len(errs)} in target at their peak, worst over {max(errs):+.1%}, worst under {min(errs):+.1%}. "
+        f"{in_target(long)}. "
         "The estimate traces one rank at s/2 tokens with Ulysses' all-to-all shapes around sdpa, and the loss and MLP "
         "through lm_loss itself. The SP2 ZeRO-3 misses are ZeRO-3's on 2 ranks, not SP's: the control without SP at "
         "the same 512 tokens per rank misses by as much (624.7 MB measured against SP2's 628.9), the absolute miss "
@@ -86,13 +94,11 @@ def lora_summary(points: list) -> str:
     lora = [p for p in points if p.get("lora")]
     if not lora:
         return "- No LoRA points in this run."
-    errs = [p["error"] for p in lora]
-    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
     others = [e for p in lora for ph, e in p["phase_errors"].items() if ph != p["phase"]]
     return (
         f"- LoRA (r16 on all-linear; the base a bf16 checkpoint loaded as train.py loads it, wrapped by "
         f"zero_recipes.lora.wrap; `--only lora` remeasures these and keeps the other points as measured before): "
-        f"{inside} of {len(errs)} in target at their peak, worst over {max(errs):+.1%}, worst under {min(errs):+.1%}. "
+        f"{in_target(lora)}. "
         f"The phases that are not the peak range {min(others):+.0%} to {max(others):+.0%} (estimator.json, "
         "phase_errors): on two ZeRO-3 ranks the rank compared is the one with the largest peak, not rank 0, "
         "the only rank transformers' ZeRO-3 load reads the checkpoint on, so its init is over; the frozen base's "
@@ -126,8 +132,7 @@ def markdown(r: dict) -> str:
             f"{p['micro']} x {p['seq']} | {'on' if p['gc'] else 'off'} | {p['phase']} | {mb(p['measured_bytes'])} | "
             f"{mb(p['predicted_bytes'])} | {p['error']:+.1%} | {'yes' if ok else '**no**'} |"
         )
-    errs = [p["error"] for p in r["points"]]
-    inside = sum(-TARGET["under"] <= e <= TARGET["over"] for e in errs)
+    inside, errs = target_counts(r["points"])
     lines += [
         "",
         f"- {inside} of {len(errs)} points in target; worst over {max(errs):+.1%}, worst under {min(errs):+.1%}.",
