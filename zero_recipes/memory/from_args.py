@@ -66,12 +66,14 @@ def model_config(args, cfg):
     the estimate needs of it."""
     from .. import model as modeling
 
-    if args.model and args.model.endswith(".json") and cfg.lora_r > 0:
-        check_config_file(args.model)
+    # a config.json is checked once: under LoRA before the DeepSpeed check, as before, otherwise after it
+    config_file = args.model if args.model and args.model.endswith(".json") else None
+    if config_file and cfg.lora_r > 0:
+        check_config_file(config_file)
     if not cfg.deepspeed:
         raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
-    if args.model and args.model.endswith(".json"):
-        check_config_file(args.model)
+    if config_file and cfg.lora_r <= 0:
+        check_config_file(config_file)
     config = modeling.load_model_config(cfg)
     hidden = modeling.hidden_size(config)
     if not hidden:
