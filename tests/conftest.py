@@ -1,4 +1,5 @@
-"""Session fixtures: one data cache, and each (config, precision) trained once for the tests that share it.
+"""Session fixtures: one data cache, and each (config, precision) trained once for the tests that share it
+(once per pytest invocation, across xdist workers: shared_runs.py).
 The helpers they use are in helpers.py (tests/ is on pytest's pythonpath)."""
 
 from __future__ import annotations
@@ -7,18 +8,43 @@ import os
 
 import pytest
 
-from helpers import CONFIGS, FAST, INJECT, PRECISIONS, aio_available, launch
+from helpers import CONFIGS, FAST, INJECT, PRECISIONS, SFT, SFT_ZERO0_BATCH, aio_available
+from shared_runs import SharedRuns
+
+# Launch sizes: most launches run 2 ranks (some 4), so a worker needs about 2 cores for its launch to run at
+# the speed the tests were sized on. On 2 cores, 2 workers still win: one worker's launch spends seconds in
+# imports and start-up while the other's trains (measured: docs/tests.md).
+CORES_PER_WORKER = 2
+PORTS = (12000, 32000)  # below the kernel's ephemeral ports (32768+), split between the workers
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one worker per 2 cores, and never fewer than 2."""
+    return max(2, usable_cores() // CORES_PER_WORKER)
 
 
 def pytest_configure(config):
     """Every process a test launches loads tests/inject/sitecustomize.py (faults on request, port ranges).
-    Under pytest-xdist (pytest.ini runs 2 workers) each worker picks ports from its own range below the
-    kernel's ephemeral ports (32768+), so parallel launches never collide (distributed.free_port)."""
+    Under pytest-xdist each worker picks ports from its own slice of PORTS, so parallel launches never collide
+    (distributed.free_port). With more cores than 2 per worker, each worker is pinned to its own cores (what it
+    launches inherits them), so train.py gives each rank the same thread count as on a 2-core host and the
+    workers' ranks do not compete."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw"):
-        lo = 12000 + 2000 * int(worker[2:])
-        os.environ["ZERO_RECIPES_TEST_PORTS"] = f"{lo}:{lo + 2000}"
+    if not worker.startswith("gw"):
+        return
+    index, count = int(worker[2:]), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 2))
+    span = (PORTS[1] - PORTS[0]) // count
+    lo = PORTS[0] + span * index
+    os.environ["ZERO_RECIPES_TEST_PORTS"] = f"{lo}:{lo + span}"
+    cores = sorted(os.sched_getaffinity(0))
+    per_worker = len(cores) // count
+    if per_worker >= CORES_PER_WORKER:
+        os.sched_setaffinity(0, cores[index * per_worker : (index + 1) * per_worker])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,33 +56,38 @@ def shared_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory):
-    """Run each (config, precision) once per session; the parity tests reuse the runs."""
-    runs = {}
+def shared_runs(tmp_path_factory, worker_id):
+    """Runs trained once per pytest invocation, whichever xdist worker asks first (shared_runs.py)."""
+    root = tmp_path_factory.getbasetemp()
+    return SharedRuns((root.parent if worker_id != "master" else root) / "shared-runs")
+
+
+@pytest.fixture(scope="session")
+def trained(shared_runs):
+    """Each (config, precision) trained once per pytest invocation; the parity tests reuse the runs."""
 
     def get(name: str, precision: str):
-        if (name, precision) not in runs:
-            if name == "zero3+nvme" and not aio_available():
-                pytest.skip("NVMe offload needs libaio: apt-get install libaio-dev (not a pass: not run here)")
-            out = tmp_path_factory.mktemp(f"{name}-{precision}")
-            extra = []
-            if "nvme" in name:  # an NVMe directory must exist, as on a real machine (train.py does not create it)
-                (out / "nvme").mkdir()
-                extra = ["--nvme_path", str(out / "nvme")]
-            # a checkpoint at step 4 too, so resume tests can start from these runs' middle
-            runs[name, precision] = launch(
-                FAST
-                + [
-                    "--deepspeed",
-                    *CONFIGS[name],
-                    *PRECISIONS[precision],
-                    "--verify_export",
-                    "--save_steps",
-                    "4",
-                    *extra,
-                ],
-                out / "run",
-            )
-        return runs[name, precision]
+        if name == "zero3+nvme" and not aio_available():
+            pytest.skip("NVMe offload needs libaio: apt-get install libaio-dev (not a pass: not run here)")
+
+        def nvme_dir(where):  # an NVMe directory must exist, as on a real machine (train.py does not create it)
+            (where / "nvme").mkdir(exist_ok=True)
+            return ["--nvme_path", str(where / "nvme")]
+
+        # a checkpoint at step 4 too, so resume tests can start from these runs' middle
+        args = FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision], "--verify_export", "--save_steps", "4"]
+        return shared_runs.get(f"{name}-{precision}", args, prepare=nvme_dir if "nvme" in name else None)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def sft_zero0(shared_runs):
+    """The ZeRO-0 SFT baseline, packed or not, that the tensor- and sequence-parallel SFT parity tests read
+    (helpers.SFT): one run per packing for the whole invocation, as `trained` is for text."""
+
+    def get(packing: str):
+        args = FAST + ["--deepspeed", *CONFIGS["zero0"], *SFT, "--packing", packing, *SFT_ZERO0_BATCH]
+        return shared_runs.get(f"sft-zero0-packing-{packing}", args, launcher="torchrun")
 
     return get

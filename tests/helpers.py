@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,14 @@ FAST = [
     "--max_eval_batches",
     "4",
 ]
+
+
+# The SFT workload of the parallelism files' SFT parity tests: chat rows, 128-token blocks, gradient
+# checkpointing, one eval at step 8 over the whole held-out split. Their one ZeRO-0 baseline (conftest's
+# sft_zero0) trains 8 sequences a step as 2 ranks x micro 2 x 2 accumulation steps.
+SFT = ["--dataset_name", "builtin:tiny-instructions", "--dataset_format", "messages", "--block_size", "128"]
+SFT += ["--gradient_checkpointing", "true", "--eval_steps", "8", "--max_eval_batches", "0"]
+SFT_ZERO0_BATCH = ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"]
 
 
 @dataclass
@@ -86,6 +95,14 @@ def launch(
     timeout: int = 600,
     env: dict | None = None,
 ) -> Run:
+    """train.py ARGS --output_dir OUTPUT_DIR under a real launcher. The `deepspeed` launcher, the one the README
+    gives, is the default: it runs the shared baselines (every shipped config, both precisions), the faults and
+    kills, the recipes, the brought configs and the refusals that must reach the shell. Runs whose subject is a
+    mode rather than the launcher (parity, resume from a copied checkpoint, universal resume, SFT) pass
+    launcher="torchrun": the same ranks with the same environment and the same bits (their losses equal the
+    deepspeed launcher's bit for bit, and the kill tests compare one with the other), 3.4 s sooner per launch
+    (8 steps on 2 ranks: 7.6 s against 11.0 s on a quiet 2-core Xeon), since the deepspeed launcher imports
+    DeepSpeed in two processes of its own and polls its ranks once a second."""
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
@@ -203,3 +220,100 @@ def train_as_world(world: int, *args):
     return subprocess.run(
         [sys.executable, "train.py", *args, "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True
     )
+
+
+# ---- refusals checked in this process ----------------------------------------------------------------
+# A refusal that happens before any process group needs no launcher and no fresh interpreter: train.main
+# raises the ConfigError that train.py's entry point prints as its one `error:` line with exit 2. Each family
+# of refusals keeps one test through a real process or launcher that proves that last step in the shell
+# (docs/tests.md lists them); the rest call train.main here, a few ms instead of a 5-15 s launch each.
+@contextmanager
+def as_rank0_of(world: int, local_world: int | None = None):
+    """The environment a launcher gives rank 0 of `world` ranks (none for a world of one), restored after."""
+    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
+    if world > 1:
+        os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local_world or world))
+    else:
+        for k in keys:
+            os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def refusal(*args: str, world: int = 1) -> str:
+    """The one line train.py prints for ARGS as rank 0 of `world` ranks, found in this process. It must come
+    before any process group: reaching distributed.init fails the test rather than waiting for absent ranks."""
+    import train
+    from zero_recipes import distributed as dist
+    from zero_recipes.config import ConfigError
+
+    args = tuple(map(str, args))
+
+    def no_process_group(*_a, **_k):
+        raise AssertionError(f"train.py {' '.join(args)} got as far as starting a process group")
+
+    init, dist.init = dist.init, no_process_group
+    try:
+        with as_rank0_of(world):
+            train.main(list(args))
+    except ConfigError as e:
+        line = f"error: {e}"
+    else:
+        raise AssertionError(f"train.py {' '.join(args)} was not refused")
+    finally:
+        dist.init = init
+    assert "\n" not in line, line  # one line, as the entry point prints it
+    return line
+
+
+def dry_run_in_process(*args: str, world: int = 1, local_world: int | None = None) -> str:
+    """What `train.py ARGS --dry_run` prints on rank 0 of `world` ranks (exit 0 asserted), in this process."""
+    import io
+    from contextlib import redirect_stdout
+
+    import train
+
+    out = io.StringIO()
+    with as_rank0_of(world, local_world), redirect_stdout(out):
+        assert train.main([*map(str, args), "--dry_run"]) == 0
+    return out.getvalue()
+
+
+def load_tool(tool: str):
+    """tools/TOOL.py as a module (loaded once), without putting tools/ on sys.path for the rest of the suite."""
+    import importlib.util
+
+    name = f"tools_{tool}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{tool}.py")
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def tool_in_process(tool: str, *args) -> subprocess.CompletedProcess:
+    """`python tools/TOOL.py ARGS` run in this process: its main's return code and what it printed (a real
+    process per tool proves the same exit codes reach the shell; the rest need no fresh interpreter)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    main = load_tool(tool).main
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(REPO)  # as the tools are run: from the repository root, ds_configs/ relative to it
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess([tool, *argv], code, out.getvalue(), err.getvalue())

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, SMALL_LLAMA, free_port, small_llama
+from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, SMALL_LLAMA, free_port, small_llama, tool_in_process
 from zero_recipes.ds_config import precision
 from zero_recipes.memory import Launch, estimate, rank_total
 
@@ -78,9 +78,8 @@ def test_model_states_match_real_deepspeed(configs, ranks, tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "tools/estimate_memory.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    """The CLI in this process (test_world_not_divisible_by_tensor_parallel_is_one_line runs it as a process)."""
+    return tool_in_process("estimate_memory", *args)
 
 
 @pytest.fixture
@@ -323,8 +322,10 @@ def test_tensor_parallel_flag_and_fragment_agree_and_divide_the_split_layers(con
 
 
 def test_world_not_divisible_by_tensor_parallel_is_one_line(config_json):
-    proc = run_cli(
-        "--model", str(config_json), "--deepspeed", "ds_configs/zero2.json", "--num_gpus", "3", "--tensor_parallel", "2"
+    """As a real process: bad input reaches the shell as one line and exit 2."""
+    args = ["--model", config_json, "--deepspeed", "ds_configs/zero2.json", "--num_gpus", "3", "--tensor_parallel", "2"]
+    proc = subprocess.run(
+        [sys.executable, "tools/estimate_memory.py", *map(str, args)], cwd=REPO, capture_output=True, text=True
     )
     lines = [x for x in proc.stderr.splitlines() if x.strip() and "WARNING" not in x]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-2000:]

@@ -9,10 +9,15 @@ import sys
 import pytest
 import torch
 
-from helpers import EXPORT_TOL, REPO
+from helpers import EXPORT_TOL, REPO, tool_in_process
 
 
 def export(*args):
+    """The tool in this process; the first broken checkpoint below goes through a real process (exit 2)."""
+    return tool_in_process("export_hf", *args)
+
+
+def export_process(*args):
     return subprocess.run(
         [sys.executable, "tools/export_hf.py", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300
     )
@@ -52,12 +57,12 @@ def test_bf16_export_and_broken_checkpoints(trained, tmp_path):
     shutil.copytree(run.output_dir / "checkpoints", broken / "checkpoints")
     partial = broken / "checkpoints" / "step-8"
     next(partial.glob("*optim_states.pt")).unlink()  # as a save killed midway leaves it
-    for path, target, message in [
-        (partial, tmp_path / "x", "is incomplete: 1 of 2 optimizer-state files"),
-        (tmp_path / "nothing", tmp_path / "x", "holds no DeepSpeed checkpoint"),
-        (run.output_dir, out, "is not empty"),
+    for tool, path, target, message in [
+        (export_process, partial, tmp_path / "x", "is incomplete: 1 of 2 optimizer-state files"),
+        (export, tmp_path / "nothing", tmp_path / "x", "holds no DeepSpeed checkpoint"),
+        (export, run.output_dir, out, "is not empty"),
     ]:
-        proc = export(path, target)
+        proc = tool(path, target)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr

@@ -7,7 +7,18 @@ import shutil
 
 import pytest
 
-from helpers import CONFIGS, EXPORT_TOL, FAST, PRECISIONS, fault_env, launch, one_error_line, remove_shm, run_train
+from helpers import (
+    CONFIGS,
+    EXPORT_TOL,
+    FAST,
+    PRECISIONS,
+    fault_env,
+    launch,
+    one_error_line,
+    refusal,
+    remove_shm,
+    run_train,
+)
 
 # The bound the full-parameter parity test uses (tests/integration/test_train_configs.py)
 FP32_TOL = 1e-5
@@ -30,7 +41,7 @@ def lora_run(base, tmp_path_factory):
         if (name, precision) not in runs:
             out = tmp_path_factory.mktemp(f"lora-{name}-{precision}") / "run"
             args = FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision], "--model_name_or_path", str(base)]
-            runs[name, precision] = launch(args + LORA, out)
+            runs[name, precision] = launch(args + LORA, out, launcher="torchrun")
         return runs[name, precision]
 
     return get
@@ -132,7 +143,7 @@ def test_merge_lora_writes_a_plain_model_with_the_engines_logits(base, tmp_path)
     from transformers import AutoModelForCausalLM
 
     args = FAST + ["--deepspeed", *CONFIGS["zero3"], "--model_name_or_path", str(base), *LORA, "--merge_lora"]
-    run = launch(args, tmp_path / "run").check()
+    run = launch(args, tmp_path / "run", launcher="torchrun").check()
     assert "the adapter merged into its base" in run.log
     assert not (run.output_dir / "adapter_config.json").exists()
     assert export_diff(run) <= EXPORT_TOL["fp32"]
@@ -156,7 +167,7 @@ def test_lora_sft_packed_with_checkpointing_offload_and_bf16(base, tmp_path):
         "--modules_to_save",
         "lm_head",
     ]
-    run = launch(args, tmp_path / "run").check()
+    run = launch(args, tmp_path / "run", launcher="torchrun").check()
     losses = run.losses
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0] - 1.0, losses
     assert export_diff(run) <= EXPORT_TOL["bf16"]
@@ -178,13 +189,14 @@ def test_lora_sft_packed_with_checkpointing_offload_and_bf16(base, tmp_path):
     ],
 )
 def test_bad_lora_options_are_one_line(base, args, fragments):
-    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base), *args))
+    line = refusal("--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base), *args)
     assert all(f in line for f in fragments), line
 
 
 def test_lora_needs_a_pretrained_base():
-    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--lora_r", "8", "--dry_run"))
-    assert "set --model_name_or_path" in line
+    """Through a real process: a LoRA refusal reaches the shell as one line and exit 2 (the others in-process)."""
+    proc = run_train("--deepspeed", "ds_configs/zero2.json", "--lora_r", "8", "--dry_run")
+    assert "set --model_name_or_path" in one_error_line(proc) and proc.returncode == 2
 
 
 def test_resuming_with_other_lora_settings_or_another_world_size_is_refused(lora_run, base, tmp_path):
@@ -192,11 +204,10 @@ def test_resuming_with_other_lora_settings_or_another_world_size_is_refused(lora
     out = tmp_path / "run"
     shutil.copytree(run.output_dir, out)
     args = FAST + ["--deepspeed", *CONFIGS["zero2"], "--model_name_or_path", str(base), *LORA]
-    changed = run_train(*args, "--lora_r", "4", "--resume_from_checkpoint", "auto", "--output_dir", str(out))
-    line = one_error_line(changed)
+    line = refusal(*args, "--lora_r", "4", "--resume_from_checkpoint", "auto", "--output_dir", str(out))
     assert "other adapter settings (lora_r)" in line
     # one rank instead of two: DeepSpeed's universal conversion cannot carry a checkpoint without the base
-    line = one_error_line(run_train(*args, "--resume_from_checkpoint", "auto", "--output_dir", str(out)))
+    line = refusal(*args, "--resume_from_checkpoint", "auto", "--output_dir", str(out))
     assert "Resume with 2 rank(s) and ZeRO-2" in line
 
 
@@ -255,7 +266,7 @@ def test_qlora_trains_a_4bit_base_on_zero0_and_zero2_alike(base64, tmp_path):
     runs = {}
     for name in ("zero0", "zero2"):
         args = FAST + ["--deepspeed", *CONFIGS[name], "--model_name_or_path", str(base64), *LORA, "--load_in_4bit"]
-        runs[name] = launch(args, tmp_path / name).check()
+        runs[name] = launch(args, tmp_path / name, launcher="torchrun").check()
     got, ref = runs["zero2"].losses, runs["zero0"].losses
     assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref)) <= FP32_TOL, (got, ref)
     # the reloaded adapter on a freshly quantised base: measured 4.1e-3 from the engine in fp32 (the adapter
@@ -273,14 +284,10 @@ def test_qlora_trains_a_4bit_base_on_zero0_and_zero2_alike(base64, tmp_path):
     ],
 )
 def test_qlora_where_it_cannot_run_is_one_line(base64, args, fragment):
-    line = one_error_line(run_train("--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base64), *args))
+    line = refusal("--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base64), *args)
     assert fragment in line, line
 
 
 def test_qlora_on_a_cpu_needs_64_wide_layers(base):
-    line = one_error_line(
-        run_train(
-            "--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base), "--lora_r", "8", "--load_in_4bit"
-        )
-    )
+    line = refusal("--deepspeed", "ds_configs/zero2.json", "--model_name_or_path", str(base), "--lora_r", "8", "--load_in_4bit")  # fmt: skip
     assert "down_proj (352)" in line and "without --load_in_4bit" in line

@@ -2,7 +2,6 @@
 every 4): the plots compare it with a second, resumed run on one chart per metric; generation samples from
 its export; bad input gets one `error:` line and exit 2."""
 
-import importlib.util
 import json
 import math
 import shutil
@@ -12,16 +11,7 @@ import sys
 
 import pytest
 
-from helpers import FAST, REPO, launch
-
-
-def load_tool(name):
-    """tools/NAME.py as a module, without putting tools/ on sys.path for the rest of the suite."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from helpers import FAST, REPO, launch, load_tool, tool_in_process
 
 generate, plot_metrics = load_tool("generate"), load_tool("plot_metrics")
 
@@ -188,6 +178,7 @@ def test_generate_greedy_is_deterministic_and_uses_the_chat_template(run, tmp_pa
 
 
 def test_generate_bad_input(run, tmp_path):
+    """The first case as a real process (the shell sees one line and exit 2), the others in this process."""
     interrupted = tmp_path / "interrupted"
     shutil.copytree(run.output_dir / "checkpoints", interrupted / "checkpoints")  # stopped before its export
     one_error_line(
@@ -197,9 +188,11 @@ def test_generate_bad_input(run, tmp_path):
     )
     step = interrupted / "checkpoints" / "step-8"
     one_error_line(
-        tool("generate.py", step, "hi"), "no exported model", f"python tools/export_hf.py {step} {interrupted}-hf"
+        tool_in_process("generate", step, "hi"),
+        "no exported model",
+        f"python tools/export_hf.py {step} {interrupted}-hf",
     )
-    one_error_line(tool("generate.py", tmp_path / "missing", "hi"), "is not a directory")
+    one_error_line(tool_in_process("generate", tmp_path / "missing", "hi"), "is not a directory")
     (tmp_path / "empty").mkdir()
-    one_error_line(tool("generate.py", tmp_path / "empty", "hi"), "holds no HF model")
-    one_error_line(tool("generate.py", run.output_dir, "hi", "--temperature", "-1"), "--temperature >= 0")
+    one_error_line(tool_in_process("generate", tmp_path / "empty", "hi"), "holds no HF model")
+    one_error_line(tool_in_process("generate", run.output_dir, "hi", "--temperature", "-1"), "--temperature >= 0")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -20,11 +19,14 @@ from helpers import (
     CONFIGS,
     FAST,
     REPO,
+    SFT,
     at_step_4,
+    dry_run_in_process,
     export_diff,
     fault_env,
     launch,
     one_error_line,
+    refusal,
     remove_shm,
     step_losses,
     train_as_world,
@@ -69,7 +71,9 @@ def tp_run(tmp_path_factory):
     def get(name: str):
         if name not in runs:
             out = tmp_path_factory.mktemp(name) / "run"
-            runs[name] = launch(tp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0]).check()
+            runs[name] = launch(
+                tp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="torchrun"
+            ).check()
         return runs[name]
 
     return get
@@ -113,9 +117,11 @@ def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
     if family == "llama-tied":
         family, shape = "llama", {**shape, "tie_word_embeddings": True}
     model = ["--model_config", json.dumps({"model_type": family, **shape})]
-    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0").check()
+    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0", launcher="torchrun").check()
     run = launch(
-        FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(2), *model, "--verify_export"], tmp_path / "tp"
+        FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(2), *model, "--verify_export"],
+        tmp_path / "tp",
+        launcher="torchrun",
     ).check()
     got, want = step_losses(run), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
@@ -137,7 +143,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_fo
 def test_zero3_tp_resumes_bit_for_bit_on_its_own_layout(tp_run, tmp_path):
     full = tp_run("tp2-zero3")
     out = at_step_4(full.output_dir, tmp_path / "run")
-    again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out).check()
+    again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out, launcher="torchrun").check()
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
 
@@ -146,7 +152,7 @@ def test_a_universal_resume_moves_to_more_data_parallel_replicas_at_the_same_tp(
     full = tp_run("tp2-zero1")  # 1 data-parallel x 2 tensor-parallel
     out = at_step_4(full.output_dir, tmp_path / "run")
     args = FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(4), "--save_steps", "4"]
-    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4).check()
+    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4, launcher="torchrun").check()
     assert "saved by 1 data-parallel x 2 tensor-parallel rank(s) with ZeRO-1, this run has 2 data-parallel" in run.log
     assert "step-4-universal at step 4" in run.log
     got, want = step_losses(run), step_losses(full)
@@ -162,12 +168,11 @@ def test_a_universal_resume_moves_to_more_data_parallel_replicas_at_the_same_tp(
     ids=["tp2->tp1", "zero3 tp2 1->2 replicas"],
 )
 def test_a_resume_deepspeed_cannot_convert_is_refused_in_one_line(name, nproc, configs, expected, tp_run, tmp_path):
+    """Refused before any process group, so checked in-process as rank 0 of the new world (the launcher's exit
+    2 for a resume refusal: test_universal_resume.py's ZeRO-3 -> ZeRO-2)."""
     out = at_step_4(tp_run(name).output_dir, tmp_path / "run")
     args = FAST + ["--deepspeed", *configs, *micro(nproc), "--save_steps", "4", "--resume_from_checkpoint", "auto"]
-    run = launch(args, out, nproc=nproc)
-    assert run.proc.returncode == 2, run.log[-3000:]
-    errors = [line for line in run.proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in run.log
+    assert expected in refusal(*args, "--output_dir", out, world=nproc)
     assert (out / "checkpoints" / "step-4").is_dir()  # nothing of the run lost
 
 
@@ -199,13 +204,17 @@ def test_export_tool_refuses_a_zero3_tp_checkpoint_in_one_line(tp_run, tmp_path)
     assert not (tmp_path / "hf").exists()
 
 
-SFT = ["--dataset_name", "builtin:tiny-instructions", "--dataset_format", "messages", "--packing", "true"]
-SFT += ["--block_size", "128", "--gradient_checkpointing", "true", "--eval_steps", "8", "--max_eval_batches", "0"]
-
-
-def test_packed_sft_with_checkpointing_matches_zero0_losses_eval_and_exact_match(tmp_path):
-    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *SFT], tmp_path / "zero0").check()
-    tp = launch(FAST + ["--deepspeed", *CONFIGS["zero2"], TP2, *micro(2), *SFT], tmp_path / "tp").check()
+def test_packed_sft_with_checkpointing_matches_zero0_losses_eval_and_exact_match(sft_zero0, tmp_path):
+    """The shared packed ZeRO-0 baseline (8 sequences a step); TP2's one replica takes them as micro 4 x 2
+    accumulation steps."""
+    base = sft_zero0("true").check()
+    args = FAST + ["--deepspeed", *CONFIGS["zero2"], TP2, *SFT, "--packing", "true"]
+    tp = launch(
+        args + ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "4"],
+        tmp_path / "tp",
+        launcher="torchrun",
+    )
+    tp.check()
     got, want = step_losses(tp), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= SFT_PARITY, (got, want)
     # eval rows are sharded by data-parallel rank and summed once per TP group: the same rows, the same result
@@ -218,6 +227,7 @@ def test_bf16_trains_and_exports(tmp_path):
     run = launch(
         FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, "ds_configs/bf16.json", *micro(2), "--verify_export"],
         tmp_path / "run",
+        launcher="torchrun",
     ).check()
     got = step_losses(run)
     assert all(math.isfinite(x) for x in got.values()) and got[8] < got[1] - 0.5
@@ -228,10 +238,15 @@ def test_bf16_trains_and_exports(tmp_path):
 # ---- bad input: one line, exit 2, before any process group (a single process stands in for the ranks) ----
 
 
+def test_a_tp_refusal_reaches_the_shell_as_one_line_and_exit_2():
+    """A real process as rank 0 of 3 ranks; the other TP refusals are checked in-process below."""
+    proc = train_as_world(3, "--deepspeed", "ds_configs/zero1.json", TP2)
+    assert "3 rank(s) cannot split into tensor-parallel groups of 2" in one_error_line(proc) and proc.returncode == 2
+
+
 @pytest.mark.parametrize(
     "world,args,expected",
     [
-        (3, ["--deepspeed", "ds_configs/zero1.json", TP2], "3 rank(s) cannot split into tensor-parallel groups of 2"),
         (4, ["--deepspeed", "ds_configs/zero1.json", TENSOR_PARALLEL[4]], "does not divide the model's 2 key-value"),
         (2, ["--deepspeed", "ds_configs/zero0.json", TP2], "with ZeRO-0"),
         (
@@ -240,10 +255,10 @@ def test_bf16_trains_and_exports(tmp_path):
             "model type 'gpt2' has no tensor-parallel plan",
         ),
     ],
-    ids=["world", "kv-heads", "zero0", "no-plan"],
+    ids=["kv-heads", "zero0", "no-plan"],
 )
 def test_a_tp_size_the_run_cannot_take_is_refused_in_one_line(world, args, expected):
-    assert expected in one_error_line(train_as_world(world, *args))
+    assert expected in refusal(*args, "--dry_run", world=world)
 
 
 def test_lora_with_tp_is_refused_in_one_line(tmp_path):
@@ -254,14 +269,13 @@ def test_lora_with_tp_is_refused_in_one_line(tmp_path):
     fields = dict(TINY_LLAMA)
     AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path)  # a base to adapt
     args = ["--deepspeed", "ds_configs/zero2.json", TP2, "--model_name_or_path", str(tmp_path), "--lora_r", "8"]
-    assert "with LoRA: AutoTP splits nn.Linear layers" in one_error_line(train_as_world(2, *args))
+    assert "with LoRA: AutoTP splits nn.Linear layers" in refusal(*args, "--dry_run", world=2)
 
 
 def test_dry_run_draws_the_mesh():
-    proc = train_as_world(8, "--deepspeed", "ds_configs/zero1.json", TP2)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "8 ranks = 4 data-parallel x 2 tensor-parallel" in proc.stdout
-    grid = proc.stdout.split("a column per tensor-parallel index):\n", 1)[1].splitlines()[:5]
+    out = dry_run_in_process("--deepspeed", "ds_configs/zero1.json", TP2, world=8)
+    assert "8 ranks = 4 data-parallel x 2 tensor-parallel" in out
+    grid = out.split("a column per tensor-parallel index):\n", 1)[1].splitlines()[:5]
     assert [line.split() for line in grid] == [["tp", "0", "tp", "1"]] + [
         ["dp", str(d), str(2 * d), str(2 * d + 1)] for d in range(4)
     ]
@@ -271,16 +285,12 @@ def test_the_mesh_in_the_docs_is_what_the_dry_run_draws():
     doc = (REPO / "docs" / "parallelism.md").read_text()
     block = doc.split("mesh (global ranks: a row per data-parallel replica, a column per tensor-parallel index):\n")
     drawn_in_docs = block[1].split("```", 1)[0]
-    env = {**os.environ, "WORLD_SIZE": "32", "RANK": "0", "LOCAL_WORLD_SIZE": "8"}
     args = [
         "--recipe",
         "recipes/llama-3.1-70b-sft-tp8-4nodes.yaml",
         "--model_config",
         "recipes/configs/llama-3.1-70b.json",
     ]
-    proc = subprocess.run(
-        [sys.executable, "train.py", *args, "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "32 ranks = 4 data-parallel x 8 tensor-parallel" in proc.stdout
-    assert drawn_in_docs in proc.stdout and len(drawn_in_docs.splitlines()) == 5
+    out = dry_run_in_process(*args, world=32, local_world=8)
+    assert "32 ranks = 4 data-parallel x 8 tensor-parallel" in out
+    assert drawn_in_docs in out and len(drawn_in_docs.splitlines()) == 5

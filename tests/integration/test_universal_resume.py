@@ -28,7 +28,7 @@ def losses(run):
 
 
 def resume(args, out, nproc, ga):
-    launcher = "python" if nproc == 1 else "deepspeed"
+    launcher = "python" if nproc == 1 else "torchrun"
     return launch(
         args + ["--gradient_accumulation_steps", str(ga), "--resume_from_checkpoint", "auto"],
         out,

@@ -5,13 +5,11 @@ real forward/backward of the peft-wrapped model."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, fwd_bwd_peak_bytes, small_llama
+from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, fwd_bwd_peak_bytes, small_llama, tool_in_process
 from zero_recipes.config import TrainConfig
 from zero_recipes.lora import lora_config
 from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
@@ -161,8 +159,8 @@ def test_table_recommends_lora_before_offload(tmp_path):
     p = tmp_path / "llama8b.json"
     p.write_text(json.dumps(LLAMA_8B))
     args = ["--model", str(p), "--deepspeed", "ds_configs/bf16.json", "--seq_len", "2048", "--gpu_memory", "80GiB"]
-    run = [sys.executable, "tools/estimate_memory.py", *args, "--table", "--longest_sequence", "false"]
-    proc = subprocess.run([*run, "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = [*args, "--table", "--longest_sequence", "false"]
+    proc = tool_in_process("estimate_memory", *run, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     t = json.loads(proc.stdout)
     one = {(r["config"], r["gradient_checkpointing"]): r for r in t["rows"] if r["num_gpus"] == 1}
@@ -171,5 +169,5 @@ def test_table_recommends_lora_before_offload(tmp_path):
     assert rec["lora_r"] == 16 and rec["config"] in ("zero1", "zero2", "zero3"), rec
     assert t["recommended_full_fine_tuning"]["1"]["config"].endswith(("offload_optimizer", "offload_all"))
     assert all(r["lora_r"] == 0 for r in t["rows"]) and {r["lora_r"] for r in t["lora_rows"]} == {16}
-    text = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=600).stdout
+    text = tool_in_process("estimate_memory", *run).stdout
     assert f"  1 GPU(s): {rec['config']} + LoRA r16" in text

@@ -5,14 +5,10 @@ the launcher are benchmarks/estimator.md's SP points (`python tools/benchmark.py
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import REPO, fwd_bwd_peak_bytes, small_llama
+from helpers import fwd_bwd_peak_bytes, small_llama
 from zero_recipes.config import ConfigError
 from zero_recipes.memory import Launch, activation_bytes, estimate
 from zero_recipes.memory.table import longest_sequence
@@ -108,23 +104,3 @@ def test_sp_refusals_are_train_pys():
         estimate(config, zero3(2), Launch(2, seq_len=1023))
     with pytest.raises(ConfigError, match="ZeRO-0"):
         estimate(config, {**zero3(2), "zero_optimization": {"stage": 0}}, Launch(2, seq_len=1024))
-
-
-def test_cli_sequence_parallel_json_is_pure_json(tmp_path):
-    """--sequence_parallel 2 --json: stdout is one JSON object (DeepSpeed's logging and the notes go elsewhere),
-    saying SP 2 over 2 ZeRO ranks, with less activation memory than the same run without SP."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", **small_llama().to_diff_dict()}))
-    proc = subprocess.run(
-        [sys.executable, "tools/estimate_memory.py", "--model", str(cfg), "--deepspeed", "ds_configs/zero3.json"]
-        + ["ds_configs/bf16.json", "--num_gpus", "2", "--seq_len", "2048", "--json", "--sequence_parallel", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    sp = json.loads(proc.stdout)
-    assert (sp["sequence_parallel"], sp["data_parallel"]) == (2, 2)
-    whole = activation_bytes(small_llama(), 1, 2048, BF16, False)
-    assert 0 < sp["phases"]["forward_backward"]["activations_bytes"] < whole.bytes
