@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from helpers import REPO
+from zero_recipes.bench.export import peak_memory
 
 
 def benchmark(*args, timeout: int):
@@ -143,3 +144,22 @@ def test_longctx_benchmark_quick(tmp_path):
         assert x["tried"][0] == 256 and (x["shortest_failing"] is None or x["longest"] < x["shortest_failing"])
     assert set(r["goals"]) == {"sp_activation", "sp_activation_tiled", "tiled_loss_region", "longest"}
     assert list(r["longest_by_budget"].values()) == [r["goals"]["longest"]]
+
+
+def test_export_benchmark_samples_the_memory_a_child_allocates():
+    """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
+    must read as about 300 MB more than one that allocates nothing."""
+
+    def child(nbytes):
+        return peak_memory(
+            [
+                sys.executable,
+                "-c",
+                f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * len(b[::4096]); time.sleep(0.5)",
+            ]
+        )
+
+    idle, busy = child(0), child(300_000_000)
+    grew = busy["RssAnon"] - idle["RssAnon"]
+    assert 280e6 <= grew <= 330e6, (idle, busy)
+    assert busy["VmRSS"] >= busy["RssAnon"]

@@ -1,5 +1,7 @@
 """DeepSpeed JSONs in the shapes the HF docs, axolotl and LLaMA-Factory ship train unchanged: 2 steps on 2 CPU
-ranks under the deepspeed launcher, with their own key spellings (field names, "bfloat16", deprecated names)."""
+ranks, with their own key spellings (field names, "bfloat16", deprecated names). Under torchrun, the launcher
+LLaMA-Factory's CLI uses: the subject is the config, and every shipped config trains under the deepspeed launcher
+in test_train_configs.py."""
 
 import json
 
@@ -29,7 +31,8 @@ EXTRA = {"old-bfloat16-block": ["--bf16", "true"]}
 def test_brought_config_trains_unchanged(name, tmp_path):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(TRAINS[name], indent=2))
-    run = launch(["--deepspeed", str(path), *ARGS, *EXTRA.get(name, [])], tmp_path / "out").check()
+    run = launch(["--deepspeed", str(path), *ARGS, *EXTRA.get(name, [])], tmp_path / "out", launcher="torchrun")
+    run.check()
     assert len(run.losses) == 2, run.log[-3000:]
     assert "Traceback" not in run.log
     for text in EXPECT.get(name, ()):

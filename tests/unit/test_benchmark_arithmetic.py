@@ -1,29 +1,8 @@
-"""tools/benchmark.py's arithmetic, without a launcher: the export benchmark's memory sampling and the settings
-benchmark's comparisons and the parallel benchmark's rounds (zero_recipes/bench/)."""
+"""tools/benchmark.py's arithmetic, without a launcher: the settings benchmark's comparisons and the parallel
+benchmark's rounds (zero_recipes/bench/). The export benchmark's memory sampling starts a child process, so it
+is in tests/integration/test_benchmark_tool.py."""
 
-import sys
-
-from zero_recipes.bench.export import peak_memory
 from zero_recipes.bench.settings import PARITY_TOL, VARIANTS, summarise
-
-
-def test_export_benchmark_samples_the_memory_a_child_allocates():
-    """`benchmark.py export` judges the goal on the child's peak anonymous memory: a child that fills 300 MB
-    must read as about 300 MB more than one that allocates nothing."""
-
-    def child(nbytes):
-        return peak_memory(
-            [
-                sys.executable,
-                "-c",
-                f"import time; b = bytearray({nbytes}); b[::4096] = b'1' * len(b[::4096]); time.sleep(0.5)",
-            ]
-        )
-
-    idle, busy = child(0), child(300_000_000)
-    grew = busy["RssAnon"] - idle["RssAnon"]
-    assert 280e6 <= grew <= 330e6, (idle, busy)
-    assert busy["VmRSS"] >= busy["RssAnon"]
 
 
 def test_settings_benchmark_arithmetic():

@@ -1,7 +1,8 @@
 """The memory estimate of a LoRA run: what a user reads off tools/estimate_memory.py. Byte counts are derived here
 from first principles (a frozen weight: its bytes alone; a trained one: 16-bit weight 2 + grad 2 + fp32 master 4 +
 Adam's two moments 8), parameter counts from peft's own `get_nb_trainable_parameters`, the activations from a
-real forward/backward of the peft-wrapped model."""
+real forward/backward of the peft-wrapped model. In process, no launcher; here rather than in tests/unit because
+tracing 8B models through peft takes seconds a test (33 s of test time, more than half the unit tier's budget)."""
 
 import dataclasses
 import json
