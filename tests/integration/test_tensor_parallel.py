@@ -36,7 +36,8 @@ from zero_recipes.shipped import TENSOR_PARALLEL
 TP2 = TENSOR_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step loss and export logits; measured max 5e-7 (losses) and 8e-7 (logits)
 # SFT losses are sums over label tokens divided by their count, and the gradient-checkpointed
-# recomputation repeats the TP all-reduces: measured 7.6e-6 by step 8 against ZeRO-0.
+# recomputation repeats the TP all-reduces: measured 7.6e-6 by step 8 against a ZeRO-0 run of micro 4 (the
+# shared baseline today trains micro 2 x 2 accumulation steps, and TP2 micro 4 x 2).
 SFT_PARITY = 2e-5
 # bf16: the row-parallel layers round their partial sums to bf16 before the all-reduce, so the engine's
 # logits differ from an unsplit bf16 forward by a bf16 ulp at |logit| ~ 4 (measured 0.0156).
