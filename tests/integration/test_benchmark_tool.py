@@ -25,6 +25,9 @@ def run_quick(name: str, tmp_path, timeout: int):
 
 
 def test_data_benchmark_quick(tmp_path):
+    """One corpus copy and one A/B pair: train.py's data preparation and run_clm.py's both tokenise the same
+    corpus, train.py starts cold and cached, and packing is measured with and without; the report carries
+    every section with the right signs."""
     report = run_quick("data", tmp_path, timeout=600)
     assert report.with_suffix(".md").exists()
     r = json.loads(report.read_text())
@@ -125,7 +128,9 @@ def test_parallel_benchmark_quick(tmp_path):
 def test_longctx_benchmark_quick(tmp_path):
     """ZeRO-3, the tiled loss, SP=2 and both, each launched on 2 ranks under the allocator probe at a short
     block: every run trains, its peak splits into states + activations with the loss region inside the
-    activations, tiled and untiled losses agree, and the report carries the goals, the search and the plot."""
+    activations, tiled and untiled losses agree, and the report carries the goals, the search and the plot.
+    The quick search starts and ends at the sweep's block (its runs read back, no launch of its own); the
+    doubling and bisection are tests/unit/test_benchmark_longctx.py's."""
     report = run_quick("longctx", tmp_path, timeout=900)
     assert report.with_suffix(".png").stat().st_size > 0
     assert "## Longest sequence within" in report.with_suffix(".md").read_text()
