@@ -18,13 +18,9 @@ CORES_PER_WORKER = 2
 PORTS = (12000, 32000)  # below the kernel's ephemeral ports (32768+), split between the workers
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini): one worker per 2 cores, and never fewer than 2."""
-    return max(2, usable_cores() // CORES_PER_WORKER)
+    return max(2, len(os.sched_getaffinity(0)) // CORES_PER_WORKER)
 
 
 def pytest_configure(config):

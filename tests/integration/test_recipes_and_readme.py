@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import train
-from helpers import REPO, tool_in_process
+from helpers import REPO, dry_run_in_process, tool_in_process
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()
@@ -22,11 +21,6 @@ def ds_config_rows() -> list[list[str]]:
     """The `--deepspeed ...` combinations in ds_configs/README.md's table (rows that start with one)."""
     rows = re.findall(r"^\|\s*`(--deepspeed [^`]+)`", DS_README, flags=re.M)
     return [shlex.split(r) for r in rows]
-
-
-def dry_run(args, capsys) -> str:
-    assert train.main(list(args) + ["--dry_run"]) == 0
-    return capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def quick_start_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_start_model, tmp_path):
+def test_recipe_resolves_and_header_carries_its_command(recipe, quick_start_model, tmp_path):
     text = recipe.read_text()
     for label in ("# Trains:", "# Hardware:", "# Launch:", "# Memory:"):
         assert label in text, f"{recipe.name} header lacks {label}"
@@ -65,7 +59,7 @@ def test_recipe_resolves_and_header_carries_its_command(recipe, capsys, quick_st
             local.mkdir()
             shutil.copy(REPO / shipped.group(1), local / "config.json")
             extra = ["--model_name_or_path", str(local)]
-    out = dry_run(["--recipe", str(recipe), *extra], capsys)
+    out = dry_run_in_process("--recipe", recipe, *extra)
     assert "plan: model" in out and '"auto"' not in out
     assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate
 
@@ -82,11 +76,11 @@ def test_ds_configs_readme_lists_every_config():
 
 
 @pytest.mark.parametrize("row", ds_config_rows(), ids=lambda r: "+".join(Path(a).stem for a in r[1:]))
-def test_ds_configs_readme_row_resolves(row, capsys, tmp_path):
+def test_ds_configs_readme_row_resolves(row, tmp_path):
     extra = ["--nvme_path", str(tmp_path)] if any("nvme" in a for a in row) else []
     if any(a.endswith(("tp4.json", "tp8.json", "sp8.json")) for a in row):  # the embedded Llama: 4 heads, 2 KV heads
         extra += ["--model_config", "recipes/configs/llama-3.1-8b.json"]
-    out = dry_run(row + extra, capsys)
+    out = dry_run_in_process(*row, *extra)
     assert "resolved DeepSpeed config" in out and '"auto"' not in out
 
 
@@ -125,10 +119,10 @@ def test_doc_links_resolve(doc):
     assert not missing, f"{doc.relative_to(REPO)} links to missing files: {missing}"
 
 
-def test_fp16_config_resolves_to_fp16_only(capsys):
+def test_fp16_config_resolves_to_fp16_only():
     # This CPU has no fp16 kernels (DeepSpeed refuses); the fp16 fragment is checked by resolution here and
     # trains in the GPU suite.
-    out = dry_run(["--deepspeed", "ds_configs/zero2.json", "ds_configs/fp16.json"], capsys)
+    out = dry_run_in_process("--deepspeed", "ds_configs/zero2.json", "ds_configs/fp16.json")
     assert '"fp16": {\n    "enabled": true' in out and '"bf16": {\n    "enabled": false' in out
 
 

@@ -2,29 +2,16 @@
 checkpoint (ds_to_universal, load_universal) by itself, and the losses continue."""
 
 import json
-import shutil
 
 import pytest
 
-from helpers import CONFIGS, FAST, launch
+from helpers import CONFIGS, FAST, at_step_4, launch, step_losses
 
 # max |loss after a converted resume - uninterrupted loss| over steps 5-8, fp32. The same rows train each
 # step (world x accumulation is kept). ZeRO-1/2: only the summation order differs (measured 1e-6).
 # ZeRO-3: step 5's loss and grad norm match to 1e-6, but the updates then differ (1.5e-4 at step 6,
 # 5.4e-3 at step 8, measured): DeepSpeed's ZeRO-3 universal load does not restore Adam's state exactly.
 UNIVERSAL_TOL = {"zero1": 1e-5, "zero2": 1e-5, "zero3": 1e-2}
-
-
-def at_step_4(run_dir, dest):
-    """A copy of a finished run as it was right after its step-4 checkpoint."""
-    shutil.copytree(run_dir, dest)
-    shutil.rmtree(dest / "checkpoints" / "step-8")
-    (dest / "checkpoints" / "latest").write_text("step-4")
-    return dest
-
-
-def losses(run):
-    return {r["step"]: r["loss"] for r in run.records if "loss" in r}
 
 
 def resume(args, out, nproc, ga):
@@ -49,7 +36,7 @@ def test_resume_from_two_ranks_on_another_world_or_stage(saved, resumed, trained
     run = resume(FAST + ["--deepspeed", *CONFIGS[resumed], "--save_steps", "4"], out, nproc, ga=2 // nproc)
     assert "converting it with DeepSpeed's universal checkpoint" in run.log
     assert "step-4-universal at step 4" in run.log
-    got, want = losses(run), losses(full)
+    got, want = step_losses(run), step_losses(full)
     assert sorted(got) == list(range(1, 9))
     assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= UNIVERSAL_TOL[resumed], (got, want)
 
@@ -80,7 +67,7 @@ def test_resume_a_one_rank_checkpoint_on_two_ranks(saved, resumed, one_rank_runs
     out = at_step_4(full.output_dir, tmp_path / "run")
     run = resume(FAST + ["--deepspeed", *CONFIGS[resumed], "--save_steps", "4"], out, nproc=2, ga=1)
     assert f"saved by 1 rank(s) with ZeRO-{saved[-1]}, this run has 2 with ZeRO-{resumed[-1]}" in run.log
-    got, want = losses(run), losses(full)
+    got, want = step_losses(run), step_losses(full)
     assert sorted(got) == list(range(1, 9))
     assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= UNIVERSAL_TOL[resumed], (got, want)
 
