@@ -44,6 +44,7 @@ from zero_recipes import (
     packed_attention,
     parallel,
     resume as resuming,
+    run_dir,
     sequence_parallel,
 )
 from zero_recipes.cli import help_text
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> int:
     for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
         if not spec.name.startswith("builtin:"):
             data.describe(spec, cfg)
-    resume_request = checkpoint.check_output_dir(
+    resume_request = run_dir.check_output_dir(
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
     resuming.check_resume_layout(resume_request, plan)
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
         prepared = distributed.rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
         order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
     plan = plan.complete(plan.steps_to_train(order.per_rank), tokenizer)  # zero.Init reads the filled config
-    checkpoint.start_run(plan, rank)
+    run_dir.start_run(plan, rank)
     warn_if_too_big(plan, rank, log)
     model = build_model(plan, rank, log)
 

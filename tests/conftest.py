@@ -15,7 +15,9 @@ from shared_runs import SharedRuns
 # the speed the tests were sized on. On 2 cores, 2 workers still win: one worker's launch spends seconds in
 # imports and start-up while the other's trains (measured: docs/tests.md).
 CORES_PER_WORKER = 2
-PORTS = (12000, 32000)  # below the kernel's ephemeral ports (32768+), split between the workers
+# Below the kernel's ephemeral ports (32768+), split between the workers. ZERO_RECIPES_TEST_PORT_RANGE="LO:HI"
+# gives a pytest invocation its own range, for two invocations at once on one machine.
+PORTS = tuple(int(x) for x in os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE", "12000:32000").split(":"))
 
 
 def pytest_xdist_auto_num_workers(config):

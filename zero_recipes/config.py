@@ -194,7 +194,7 @@ class TrainConfig:
     """Set by the `deepspeed` launcher; the rank is read from the environment."""
 
 
-# Fields that steer this launch only; they do not make a different run (see checkpoint.check_output_dir).
+# Fields that steer this launch only; they do not make a different run (see run_dir.check_output_dir).
 # output_dir is among them so that a run directory can be moved or copied and still resume.
 RUN_CONTROL_FIELDS = {
     "output_dir",

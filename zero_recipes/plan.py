@@ -37,7 +37,7 @@ class RunPlan:
     mesh: parallel.Mesh
     """How the ranks split: data-parallel replicas x tensor-parallel groups."""
     signature: dict
-    """What makes two launches the same run (see checkpoint.check_output_dir)."""
+    """What makes two launches the same run (see run_dir.check_output_dir)."""
     total_steps: Optional[int] = None
     """Optimizer steps to train; None until `complete`."""
 
