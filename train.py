@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
         return outcome.exit_code
 
     # ---- export: output_dir itself becomes a complete HF model (or PEFT adapter) directory -------------
-    export(engine, tokenizer, plan, rank, log)
+    with run_dir.recording(plan.output_dir, rank):  # what the export writes is this run's (run_files.json)
+        export(engine, tokenizer, plan, rank, log)
     if cfg.verify_export:
         diff = verify_export(engine, plan, prepared, order, rank)
         if rank == 0:
