@@ -7,6 +7,8 @@ import re
 import sys
 from datetime import timedelta
 
+from .config import ConfigError
+
 
 def rank_info() -> tuple[int, int, int, int]:
     """(rank, local_rank, world_size, local_world_size) from the launcher's environment; 1 process if none."""
@@ -90,15 +92,34 @@ def init(timeout_minutes: int = 30) -> None:
 
     if get_accelerator().device_name() == "cuda":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
+    try:
+        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
+    except RuntimeError as e:
+        if line := address_in_use(e):
+            raise ConfigError(line) from None
+        raise
+
+
+def address_in_use(error: BaseException) -> str | None:
+    """Rank 0 could not listen on the rendezvous port: another job on this machine holds it (two launches
+    both take the deepspeed launcher's default 29500). That is bad input, not a lost peer."""
+    text = str(error)
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return None
+    found = re.search(r"port: (\d+)", text)
+    port = found.group(1) if found else os.environ.get("MASTER_PORT", "?")
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return (
+        f"the rendezvous address {host}:{port} is already in use (another job on this machine?); pick a free "
+        "port: deepspeed --master_port N, torchrun --master-port N (or --rdzv-endpoint HOST:N, or --standalone "
+        "on one node)"
+    )
 
 
 def rank0_first(rank: int, fn):
     """Collective: run fn on rank 0 first (it fills the caches), then on the others, which read them. A
     ConfigError on rank 0 is raised on every rank, so no rank waits forever at the barrier."""
     import torch
-
-    from .config import ConfigError  # config imports this module
 
     error = [None]
     result = None
@@ -191,7 +212,7 @@ def lost_peer(error: BaseException) -> str | None:
     import torch.distributed as dist
 
     text = str(error)
-    if not (isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)):
+    if address_in_use(error) or not (isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)):
         return None
     cause = next((m for m in _LOST_PEER if m in text), type(error).__name__)
     # gloo names the peer: "Read error [10.0.0.2]:41234: ..." or "Connection closed by peer [10.0.0.2]:41234"
@@ -205,12 +226,18 @@ def lost_peer(error: BaseException) -> str | None:
 
 
 class StopRequest:
-    """Preemption: SIGTERM or SIGUSR1 (what Slurm and cloud schedulers send before taking a node) asks for a
-    checkpoint and a clean exit at the next step boundary. Launchers signal ranks one at a time or only
-    some of them, so the ranks agree at each boundary with one tiny all-reduce on a gloo group (on GPUs a
-    separate one, so it never waits on the CUDA stream). A second signal exits at once."""
+    """A stop asked for: Ctrl-C (SIGINT), SIGTERM or SIGUSR1 (what Slurm and cloud schedulers send before
+    taking a node) asks for a checkpoint and a clean exit at the next step boundary. Launchers signal ranks
+    one at a time or only some of them, so the ranks agree at each boundary with one tiny all-reduce on a
+    gloo group (on GPUs a separate one, so it never waits on the CUDA stream).
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    Ctrl-C reaches a rank twice: the terminal sends SIGINT to every process in the foreground group, and
+    the deepspeed launcher, on its own SIGINT, sends SIGTERM to every rank (launch.py, 0.19.8). So a rank
+    cannot tell Ctrl-C from a scheduler's SIGTERM, and its stop line names both. A second signal more than
+    REPEAT_AFTER seconds after the first is the user insisting: it exits at once."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+    REPEAT_AFTER = 2.0  # seconds: the launcher's SIGTERM follows the terminal's SIGINT within milliseconds
 
     def __init__(self):
         import signal
@@ -218,16 +245,25 @@ class StopRequest:
         import torch.distributed as dist
 
         self.received: str | None = None
+        self.at = 0.0
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame) -> None:
         import signal
+        import time
 
         if self.received is not None:
-            os._exit(128 + signum)
-        self.received = signal.Signals(signum).name
+            if time.monotonic() - self.at > self.REPEAT_AFTER:
+                os._exit(128 + signum)
+            return
+        self.received, self.at = signal.Signals(signum).name, time.monotonic()
+
+    @staticmethod
+    def describe(name: str) -> str:
+        """What the user or the scheduler did, as the stop line says it."""
+        return "Ctrl-C / SIGTERM" if name in ("SIGINT", "SIGTERM") else name
 
     def agreed(self) -> str | None:
         """Collective: the signal any rank received, or None. Call at the same point on every rank."""

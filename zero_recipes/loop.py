@@ -190,7 +190,7 @@ def save_or_stop(loop: Loop, window: metrics.LogWindow, bar, step: int, saving: 
         return None
     bar.close()
     loop.log(
-        f"preempted: {preempted} received; checkpoint saved at {path} (step {step} of {total}). Resume "
+        f"stop requested ({loop.stop.describe(preempted)}): checkpoint saved at {path} (step {step} of {total}). Resume "
         "by launching the same command again (it continues from there), or with --resume_from_checkpoint auto"
     )
     return Outcome(step, preempted=True)

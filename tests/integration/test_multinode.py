@@ -293,7 +293,7 @@ def test_slurm_script_preemption_signal_reaches_train_py_through_torchrun(tmp_pa
         time.sleep(0.5)
     os.kill(proc.pid, signal.SIGUSR1)  # what Slurm sends to the step's task: the torchrun agent
     [(code, log)] = finish([proc], timeout=180)
-    line = next((x for x in log.splitlines() if "preempted: SIGUSR1 received; checkpoint saved" in x), None)
+    line = next((x for x in log.splitlines() if "stop requested (SIGUSR1): checkpoint saved" in x), None)
     assert line, log[-4000:]
     step = int(line.split("(step ")[1].split(" ")[0])
     assert (out / "checkpoints" / f"step-{step}").is_dir() and 3 <= step < 5000

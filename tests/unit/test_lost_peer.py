@@ -25,3 +25,20 @@ def test_lost_peer_line_names_what_gloo_and_nccl_said(raw, named):
     line = lost_peer(RuntimeError(raw))
     assert line.startswith("rank ") and f"({named})" in line and "relaunch the same command" in line
     assert lost_peer(RuntimeError("CUDA out of memory")) is None and lost_peer(ValueError("bad")) is None
+
+
+def test_a_busy_rendezvous_port_is_named_not_reported_as_a_lost_peer(monkeypatch):
+    """What torch raises when another job holds the port (DistNetworkError, a DistError like a lost peer)."""
+    import torch.distributed as dist
+
+    from zero_recipes.distributed import address_in_use, lost_peer
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    error = dist.DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, "
+        "code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    assert lost_peer(error) is None
+    line = address_in_use(error)
+    assert "10.0.0.7:29500 is already in use" in line and "--master_port" in line and "--master-port" in line
+    assert address_in_use(dist.DistNetworkError("Connection reset by peer")) is None
