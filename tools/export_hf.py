@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from zero_recipes.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, find_checkpoint
+from zero_recipes.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, check_intact, find_checkpoint
 from zero_recipes.config import ConfigError
 from zero_recipes.lora import is_adapter_dir, peft_model_from
 from zero_recipes.resume import convert_to_universal
@@ -31,18 +31,21 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def locate(path: Path) -> tuple[Path, str]:
-    """(directory holding the tag dirs, tag), found as `--resume_from_checkpoint` finds it."""
+    """(directory holding the tag dirs, tag), found as `--resume_from_checkpoint` finds it, and intact: a
+    damaged one (a file missing, cut short or unreadable) is refused, not replaced by an older one unasked."""
     found = find_checkpoint(path)
     if found is None:
         raise ConfigError(
             f"{path} holds no DeepSpeed checkpoint; give an output_dir, its checkpoints/ directory "
             "or a checkpoints/step-N directory"
         )
+    check_intact(found)
     return found
 
 
 def check_complete(ckpt: Path) -> int:
-    """The rank files DeepSpeed wrote must all be there; a save killed midway leaves some out."""
+    """The rank files DeepSpeed wrote must all be there; a save killed midway leaves some out. A checkpoint
+    with a manifest has passed check_intact already; this counts them for one saved before manifests."""
     import torch
 
     model_files = sorted(ckpt.glob("*model_states.pt"))

@@ -174,7 +174,7 @@ class ResumePlan:
 def check_resume_layout(request: Optional[str], plan) -> None:
     """Refuse, before any process group starts, a resume onto another world size or ZeRO stage that cannot
     be converted (layout_change refuses the stage changes DeepSpeed cannot make)."""
-    where = resolve_resume(plan.output_dir, request)
+    where, _ = resolve_resume(plan.output_dir, request)  # a damaged checkpoint is refused or passed over here
     saved = layout_change(where, plan.mesh, plan.zero_stage) if where else None
     if saved is None:
         return
@@ -195,7 +195,9 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     """The checkpoint this launch resumes from, converted for a new layout when needed; None to start
     from scratch. `request` is what check_output_dir decided ('auto', a path or None). Collective when a
     conversion runs (rank 0 converts, the others wait)."""
-    where = resolve_resume(plan.output_dir, request)
+    where, passed_over = resolve_resume(plan.output_dir, request)
+    if passed_over:
+        log(passed_over)
     if where is None:
         if request is not None:
             log(f"resume: no checkpoint in {plan.output_dir}, starting from scratch")
