@@ -1,0 +1,136 @@
+"""The bad-input catalogue: every mistake a user was seen to make, one row each. Every row must end in exit 2
+with one `error:` line naming the problem and the fix, no traceback, and nothing of the user's changed:
+the files a row plants (its "user's files") are checksummed before and after, and nothing new appears.
+
+Rows run where their refusal happens. Refusals before any process group run in this process
+(helpers.refusal: train.main raises the ConfigError that the entry point prints with exit 2); one row per
+family runs as a real process or under the real launcher, to prove the line and the code reach the shell.
+A refusal that needs prepared data, a rendezvous or a checkpoint runs as a process too."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import subprocess
+from dataclasses import dataclass, field
+
+import pytest
+
+from helpers import REPO, dry_run_in_process, free_port, refusal, run_train
+
+ZERO2 = ("--deepspeed", "ds_configs/zero2.json")
+TINY_VOCAB = (
+    '{"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, '
+    '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
+)
+
+
+@dataclass
+class Case:
+    name: str
+    args: tuple  # train.py's arguments; "{tmp}" is the row's own folder, "{port}" a port held by another job
+    says: tuple  # fragments the error line must hold
+    files: dict = field(default_factory=dict)  # the user's files: path under {tmp} -> text ("" + "/" = a folder)
+    runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1)
+
+
+CASES = [
+    # ---- configs and options -------------------------------------------------------------------------
+    Case("missing ds config", ("--deepspeed", "ds_configs/zero9.json", "--dry_run"),
+         ("'ds_configs/zero9.json' not found", "zero3.json"), runner="process"),
+    Case("malformed ds config", ("--deepspeed", "{tmp}/bad.json", "--dry_run"), ("bad.json:3:", "invalid JSON"),
+         files={"bad.json": '{\n  "train_batch_size": "auto",\n  "zero_optimization": {"stage": 2,,}\n}\n'}),
+    Case("ds config path is a directory", ("--deepspeed", "ds_configs", "--dry_run"),
+         ("--deepspeed ds_configs is a directory", "zero3.json")),
+    Case("no ds config", ("--max_steps", "1"), ("--deepspeed ds_configs/zero3.json",)),
+    Case("unknown recipe key", ("--recipe", "{tmp}/r.yaml", *ZERO2, "--dry_run"),
+         ("unknown option 'learning_rat'", "did you mean 'learning_rate'"), files={"r.yaml": "learning_rat: 1.0e-4\n"}),
+    Case("batch arithmetic", ("--deepspeed", "{tmp}/ds.json", "--per_device_train_batch_size", "4", "--dry_run"),
+         ("train_batch_size=48", "micro 4 x accumulation 1 x data-parallel 2 = 8"),
+         files={"ds.json": '{"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto", '
+                           '"gradient_accumulation_steps": "auto"}'}),
+    Case("bf16 and fp16 flags", (*ZERO2, "--bf16", "--fp16", "--dry_run"), ("bf16 and fp16 are both on",)),
+    Case("bf16 and fp16 blocks", (*ZERO2, "{tmp}/both.json", "--dry_run"), ("bf16 and fp16 are both enabled",),
+         files={"both.json": '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}'}),
+    Case("block size above max positions", (*ZERO2, "--block_size", "4096", "--dry_run"),
+         ("block_size 4096 exceeds the model's max_position_embeddings 1024",)),
+    Case("nvme path missing", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json",
+                               "--nvme_path", "{tmp}/nvme"),
+         ("nvme_path", "does not exist; create it on the NVMe drive")),
+    # ---- data ----------------------------------------------------------------------------------------
+    Case("missing dataset file", (*ZERO2, "--dataset_name", "{tmp}/nope.jsonl"), ("does not exist",)),
+    Case("bad JSON lines", (*ZERO2, "--dataset_name", "{tmp}/bad.jsonl"),
+         ("bad.jsonl:2:1: not valid JSON lines",), files={"bad.jsonl": '{"text": "a"}\nnot json\n'}, runner="process"),
+    Case("model vocab smaller than the tokenizer",
+         ("--model_config", TINY_VOCAB, *ZERO2, "--max_steps", "1", "--block_size", "32", "--report_to", "none"),
+         ("tokenizer has 4096 tokens but the model's vocab_size is 100",), runner="process"),
+    # ---- output_dir: nothing of the user's replaced or removed ---------------------------------------
+    Case("output dir holds the user's files", (*ZERO2, "--output_dir", "{tmp}/mine"),
+         ("holds no zero-recipes run", "--overwrite_output_dir"), files={"mine/thesis.txt": "precious"}),
+    Case("overwrite onto a user's config.json", (*ZERO2, "--output_dir", "{tmp}/mydir", "--overwrite_output_dir"),
+         ("did not write under names its run and export write: config.json;",),
+         files={"mydir/config.json": '{"a":1}', "mydir/notes.txt": "notes"}),
+    Case("output dir is a file", (*ZERO2, "--output_dir", "{tmp}/notes.txt"), ("notes.txt is a file, not a directory",),
+         files={"notes.txt": "the user's file"}),
+    # sysfs refuses new files even to root, as a read-only mount does
+    Case("output dir not writable", (*ZERO2, "--output_dir", "/sys/zero-recipes-run"),
+         ("cannot write in /sys", "choose a directory you can write to")),
+    # ---- launching -----------------------------------------------------------------------------------
+    Case("rendezvous port held by another job", (*ZERO2, "--max_steps", "1"),
+         ("the rendezvous address 127.0.0.1:{port} is already in use (another job on this machine?)",
+          "deepspeed --master_port N", "torchrun --master-port N"), runner="launcher"),
+]  # fmt: skip
+
+
+def tree(root) -> dict:
+    """Every file and folder under root, with each file's checksum."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def error_line(case: Case, args: list[str], port: int) -> str:
+    if case.runner == "in-process":
+        return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
+    if case.runner == "process":
+        proc = run_train(*args)
+    else:
+        cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(port), "train.py", *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]  # after any progress bars
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path):
+    for rel, text in case.files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if rel.endswith("/") else path.write_text(text)
+    port = free_port()
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for a in case.args]
+    if "--output_dir" not in args:
+        args += ["--output_dir", str(tmp_path / "run")]  # never the repository's outputs/
+    before = tree(tmp_path)
+    if case.runner == "launcher":
+        with socket.socket() as held:  # another job's rendezvous on this machine
+            held.bind(("127.0.0.1", port))
+            held.listen()
+            line = error_line(case, args, port)
+    else:
+        line = error_line(case, args, port)
+    assert line.startswith("error: ") and "\n" not in line
+    for fragment in case.says:
+        assert fragment.replace("{port}", str(port)) in line, line
+    assert tree(tmp_path) == before  # byte for byte, and nothing created (no output dir, no cache)
+
+
+def test_dry_run_warns_what_this_machine_cannot_train(tmp_path):
+    nvme = tmp_path / "nvme"
+    out = dry_run_in_process("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json", "--nvme_path", str(nvme))
+    assert f"warning: this machine cannot train it: nvme_path {nvme} does not exist" in out
+    assert not nvme.exists()
