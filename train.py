@@ -73,14 +73,7 @@ def main(argv: list[str]) -> int:
         return dry_run(plan, log)
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
-    report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
-    for spec in data.dataset_specs(cfg):  # a missing file or bad mixture fails here, before any process group
-        if not spec.name.startswith("builtin:"):
-            data.describe(spec, cfg)
-    resume_request = run_dir.check_output_dir(
-        plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
-    )
-    resuming.check_resume_layout(resume_request, plan)
+    report_to, resume_request, _ = check_inputs(plan)
 
     threads = distributed.set_threads(local_world)
     distributed.init()
@@ -149,6 +142,20 @@ def main(argv: list[str]) -> int:
             log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
     log_file.close()
     return 0
+
+
+def check_inputs(plan: RunPlan):
+    """What needs no process group, checked before one starts (and by --dry_run): the trackers installed, every
+    dataset found (under --dry_run a sample of its rows read and checked against the format), output_dir and
+    the resume rules. Returns (trackers, resume request, a line per dataset sampled)."""
+    cfg = plan.cfg
+    report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
+    sampled = data.check(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
+    resume_request = run_dir.check_output_dir(
+        plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
+    )
+    resuming.check_resume_layout(resume_request, plan)
+    return report_to, resume_request, sampled
 
 
 def export(engine, tokenizer, plan: RunPlan, rank: int, log) -> None:
@@ -255,7 +262,10 @@ def verify_export(engine, plan: RunPlan, prepared, order, rank: int):
 
 
 def dry_run(plan: RunPlan, log) -> int:
+    """Everything a launch would check before its process group starts (the plan, the model config and its
+    attention, the data, output_dir and resume rules), then what it would run and its memory estimate."""
     cfg, model_config = plan.cfg, plan.model_config
+    _, resume_request, sampled = check_inputs(plan)
     n = modeling.count_params_meta(model_config)
     tokens = plan.global_batch * cfg.block_size
     ds, notes = plan.ds, list(plan.notes)
@@ -269,6 +279,9 @@ def dry_run(plan: RunPlan, log) -> int:
         log(f"note: {note}")
     for problem in ds_checks.machine_problems(ds):
         log(f"warning: this machine cannot train it: {problem}")
+    for line in sampled:
+        log(f"data: {line}")
+    log(f"output: {plan.output_dir}: {output_plan(plan.output_dir, cfg, resume_request)}")
     steps = (
         str(cfg.max_steps)
         if cfg.max_steps > 0
@@ -290,6 +303,17 @@ def dry_run(plan: RunPlan, log) -> int:
         )
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0
+
+
+def output_plan(output_dir, cfg, resume_request) -> str:
+    """What a launch would do with output_dir, as run_dir.check_output_dir decided it."""
+    if resume_request == "auto":
+        return "holds this run; a launch resumes it from its newest checkpoint"
+    if resume_request is not None:
+        return f"a launch resumes from {resume_request}"
+    if cfg.overwrite_output_dir and output_dir.is_dir() and any(output_dir.iterdir()):
+        return "a launch starts over (--overwrite_output_dir)"
+    return "a launch trains from scratch"
 
 
 if __name__ == "__main__":

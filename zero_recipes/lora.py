@@ -78,7 +78,7 @@ def validate_options(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
     if not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if not cfg.model_name_or_path or cfg.model_config is not None:
+    if not cfg.model_name_or_path or (cfg.model_config is not None and not cfg.dry_run):  # a dry run: see hub.py
         raise ConfigError(
             "LoRA adapts pretrained weights: set --model_name_or_path to a hub id or a directory from_pretrained "
             "loads (without --model_config); a random init leaves no base to load the adapter onto"

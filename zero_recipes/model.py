@@ -41,8 +41,9 @@ def local_missing(name: str) -> None:
         raise ConfigError(f"model directory '{name}' does not exist; give an existing directory or a hub id")
 
 
-def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
-    """The HF config of the model to train. `vocab_size` (the tokenizer's) sizes the embedded model."""
+def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None, local_files_only: bool = False):
+    """The HF config of the model to train. `vocab_size` (the tokenizer's) sizes the embedded model;
+    `local_files_only` reads a hub model's config from the local cache alone (hub.dry_run_model_config)."""
     from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with it
     from transformers import AutoConfig
 
@@ -53,7 +54,9 @@ def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         elif cfg.model_name_or_path:
             local_missing(cfg.model_name_or_path)
-            config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+            config = AutoConfig.from_pretrained(
+                cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, local_files_only=local_files_only
+            )
             for k, v in (overrides or {}).items():
                 setattr(config, k, v)
         else:
@@ -75,6 +78,49 @@ def load_model_config(cfg: TrainConfig, vocab_size: Optional[int] = None):
     if cfg.attn_implementation:
         config._attn_implementation = cfg.attn_implementation
     return config
+
+
+ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+ATTENTION_SUPPORT |= {f"flash_attention_{v}": "_supports_flash_attn" for v in (2, 3)}
+"""transformers' class flags: which implementations a model class can run (eager: all of them)."""
+
+
+def check_attention(config) -> None:
+    """Refuse in one line an attention implementation that cannot run here, before anything is built. The
+    check is transformers' own (PreTrainedModel._check_and_adjust_attn_implementation, which the model's
+    __init__ runs: the model class supports it, its package is installed, a device it runs on is present),
+    run on a meta model built with eager attention so that only the attention can fail. What transformers
+    leaves to torch's first backward is added: flex_attention has no backward on CPU or MPS."""
+    import copy
+
+    requested = config._attn_implementation
+    probe = copy.deepcopy(config)
+    probe._attn_implementation = "eager"
+    if causal_lm_class(probe).__name__ == "AutoModelForCausalLM":
+        return  # remote code: transformers checks it when it builds the model
+    model = meta_model(probe)
+    choices = ["eager"] + [name for name, flag in ATTENTION_SUPPORT.items() if getattr(model, flag, False)]
+    fix = f"use --attn_implementation {'sdpa' if 'sdpa' in choices else 'eager'}"
+    try:
+        model._check_and_adjust_attn_implementation(requested, is_init_check=True)
+    except (ImportError, ValueError) as e:
+        text = " ".join(str(e).split()).split("due to the following error: ")[-1]
+        reason = text.split(". ")[0].rstrip(".")
+        if "installed" in reason:
+            fix = f"install it, or {fix}"
+        raise ConfigError(
+            f"--attn_implementation {requested} cannot be used: {reason}; {fix} "
+            f"({type(model).__name__} supports {', '.join(choices)})"
+        ) from None
+    if requested == "flex_attention":
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().device_name()
+        if device in ("cpu", "mps"):  # torch's flex_attention._validate_device refuses requires_grad inputs there
+            raise ConfigError(
+                f"--attn_implementation flex_attention cannot train on {device}: torch's "
+                f"FlexAttention has no backward there; {fix}"
+            )
 
 
 def hidden_size(config) -> Optional[int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed, ds_config, lm_loss, model as modeling, parallel, sequence_parallel
+from . import distributed, ds_config, hub, lm_loss, model as modeling, parallel, sequence_parallel
 from .cli import parse_args, parse_inline_or_file, parse_model_config
 from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig
 
@@ -45,13 +45,13 @@ class RunPlan:
     def from_args(cls, argv: list[str]) -> RunPlan:
         cfg, explicit = parse_args(argv)
         raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
-        model_config = modeling.load_model_config(cfg)
-        world, notes = distributed.rank_info()[2], ()
+        model_config, notes = hub.dry_run_model_config(cfg) if cfg.dry_run else (modeling.load_model_config(cfg), ())
+        world = distributed.rank_info()[2]
         group = parallel.Mesh.of(1, raw)
         if cfg.dry_run and world == 1 and group.group > 1:  # `python train.py --dry_run` on a login node
             world = group.group
             kind = "tensor-parallel" if group.tp > 1 else "sequence-parallel"
-            notes = (
+            notes += (
                 f"dry run without a launcher: planned for {world} ranks (one {kind} group); set WORLD_SIZE "
                 "(and LOCAL_WORLD_SIZE, the GPUs per node) to plan the real mesh",
             )
@@ -61,6 +61,7 @@ class RunPlan:
         mesh = parallel.Mesh.of(world, resolved.ds)
         notes += resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
         notes += sequence_parallel.check(mesh, model_config, resolved.ds, cfg, lm_loss.knows_head(model_config))
+        modeling.check_attention(model_config)  # after the SP checks: they name the attention SP needs
         return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
     def complete(self, total_steps: int, tokenizer=None) -> RunPlan:

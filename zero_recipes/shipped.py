@@ -30,3 +30,26 @@ PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("ds_configs/bf16.
 def select(*names: str) -> dict[str, tuple[str, ...]]:
     """The named combinations, in the order asked for."""
     return {name: COMBINATIONS[name] for name in names}
+
+
+ARCHITECTURES: dict[str, str] = {
+    "openai-community/gpt2": "recipes/configs/gpt2.json",
+    "HuggingFaceTB/SmolLM2-135M": "recipes/configs/smollm2-135m.json",
+    "meta-llama/Llama-3.2-1B": "recipes/configs/llama-3.2-1b.json",
+    "meta-llama/Llama-3.2-3B": "recipes/configs/llama-3.2-3b.json",
+    "meta-llama/Llama-3.1-8B": "recipes/configs/llama-3.1-8b.json",
+    "meta-llama/Llama-3.1-70B": "recipes/configs/llama-3.1-70b.json",
+    "mistralai/Mistral-7B-v0.3": "recipes/configs/mistral-7b-v0.3.json",
+    "Qwen/Qwen2.5-7B": "recipes/configs/qwen2.5-7b.json",
+}
+"""Hub model id -> its published config.json, copied into recipes/configs/: what `--dry_run` plans with when the
+hub cannot be reached and the config is not in the local cache (a real run always loads from_pretrained(id)).
+The recipes that train these models name the same file in their '# Memory:' command."""
+
+
+def architecture_file(model_id: str):
+    """The shipped config.json of a hub model id (an absolute Path, wherever train.py is run from), or None."""
+    from pathlib import Path
+
+    rel = ARCHITECTURES.get(model_id)
+    return Path(__file__).resolve().parent.parent / rel if rel else None

@@ -8,5 +8,5 @@ from .options import DataOptions, TokenizeOptions  # noqa: F401
 from .order import BatchOrder, Mixture, eval_batches  # noqa: F401
 from .packing import Samples, collate, utilisation  # noqa: F401
 from .pipeline import Prepared, prepare  # noqa: F401
-from .sources import DatasetSpec, dataset_specs, describe  # noqa: F401
+from .sources import DatasetSpec, check, dataset_specs, describe  # noqa: F401
 from .streaming import prepare_stream  # noqa: F401

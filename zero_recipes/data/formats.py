@@ -117,10 +117,13 @@ def _str(value) -> str:
     return "" if value is None else str(value)
 
 
-def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
-    """The chat template's text, and the character span of each assistant turn. The span is what the
-    template adds for that turn beyond the generation prompt, so it includes the end-of-turn marker the
-    model must learn to emit. Templates with `{% generation %}` are not needed for this."""
+def check_example(fmt: str, row: dict, index: int) -> None:
+    """What rendering an example refuses that needs no tokenizer (--dry_run reads a sample of rows with it)."""
+    if fmt == "messages":
+        check_messages(row["messages"], index)
+
+
+def check_messages(messages, index: int) -> None:
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"example {index}: 'messages' must be a non-empty list of {{role, content}}")
     for m in messages:
@@ -130,6 +133,13 @@ def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
                 f"example {index}: unknown chat role {role!r}; roles must be one of "
                 f"{', '.join(CHAT_ROLES)} (map others, e.g. 'human' -> 'user', before training)"
             )
+
+
+def render_chat(messages, tok, index: int) -> tuple[str, list[tuple[int, int]]]:
+    """The chat template's text, and the character span of each assistant turn. The span is what the
+    template adds for that turn beyond the generation prompt, so it includes the end-of-turn marker the
+    model must learn to emit. Templates with `{% generation %}` are not needed for this."""
+    check_messages(messages, index)
     text = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):

@@ -13,7 +13,8 @@ from typing import Optional
 
 from ..cli import parse_inline_or_file
 from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, ConfigError
-from . import builtin
+from ..hub import unreachable
+from . import builtin, formats
 
 LOCAL_BUILDERS = {
     ".json": "json",
@@ -161,14 +162,66 @@ def load(spec: DatasetSpec, source: dict, split: str, streaming: bool = False, t
     except ConfigError:
         raise
     except Exception as e:  # datasets and the hub raise many classes; each means bad input to the user
-        if source["kind"] == "local":
-            diagnose_file(Path(source["path"]), source["builder"])
-            raise ConfigError(f"cannot load dataset file '{spec.name}': {first_line(e)}") from None
-        if isinstance(e, (FileNotFoundError, ValueError, ConnectionError, KeyError, UnicodeDecodeError)) or type(
-            e
-        ).__module__.startswith(("huggingface_hub", "datasets", "requests", "httpx", "pyarrow")):
-            raise ConfigError(f"cannot load dataset '{spec.name}': {first_line(e)}") from None
-        raise
+        raise as_config_error(e, spec, source) from None
+
+
+def as_config_error(e: Exception, spec: DatasetSpec, source: dict) -> Exception:
+    """What loading or reading a dataset raised, as the one line that names it (the exception itself when it is
+    not about the data)."""
+    if source["kind"] == "local":
+        diagnose_file(Path(source["path"]), source["builder"])
+        return ConfigError(f"cannot load dataset file '{spec.name}': {first_line(e)}")
+    if isinstance(e, (FileNotFoundError, ValueError, ConnectionError, KeyError, UnicodeDecodeError)) or type(
+        e
+    ).__module__.startswith(("huggingface_hub", "datasets", "requests", "httpx", "pyarrow")):
+        return ConfigError(f"cannot load dataset '{spec.name}': {first_line(e)}")
+    return e
+
+
+def check(cfg, sample: bool = False) -> list[str]:
+    """Every dataset of the run, before any process group starts: a missing file, an unknown embedded set or a
+    bad mixture fails here. With `sample` (--dry_run) the first rows of each split are read too and checked
+    against the format as preparing the data would check them; a hub dataset only when the hub can be reached.
+    Returns what a dry run reports, a line per dataset."""
+    lines = []
+    for spec in dataset_specs(cfg):
+        if spec.name in BUILTINS:
+            continue  # embedded: known good, and written on first use
+        source = describe(spec, cfg)
+        if sample:
+            lines.append(read_sample(spec, source, cfg))
+    return lines
+
+
+SAMPLE_ROWS = 16
+
+
+def read_sample(spec: DatasetSpec, source: dict, cfg) -> str:
+    """The first SAMPLE_ROWS rows of each split, streamed (nothing prepared or cached), checked for the
+    format's columns and rows."""
+    from itertools import islice
+
+    if source["kind"] == "hub" and not Path(source["name"]).is_dir() and (why := unreachable()):
+        return f"{spec.name}: a hub dataset, not read (hub offline: {why})"
+    splits = [spec.split] + ([spec.eval_split] if spec.eval_split else [])
+    for split in splits:
+        ds = load(spec, source, split, streaming=True, trust_remote_code=cfg.trust_remote_code)
+        try:
+            rows = list(islice(ds, SAMPLE_ROWS))
+        except ConfigError:
+            raise
+        except Exception as e:  # as in load: the stream reads the file only now
+            raise as_config_error(e, spec, source) from None
+        if not rows:
+            raise ConfigError(f"dataset '{spec.name}' (split {split}) is empty")
+        name = spec.name if split == spec.split else f"{spec.name}:{split}"  # as preparing the data names it
+        fmt, how = formats.detect_format(spec.format, list(rows[0]), spec.text_column, name)
+        try:
+            for i, row in enumerate(rows, 1):
+                formats.check_example(fmt, row, i)
+        except ConfigError as e:
+            raise ConfigError(f"dataset '{name}', {e}") from None
+    return f"{spec.name}: the first {len(rows)} rows of {' and '.join(splits)} read; {how}"
 
 
 def first_line(e: BaseException) -> str:
