@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,6 +248,15 @@ def as_rank0_of(world: int, local_world: int | None = None):
                 os.environ[k] = v
 
 
+def away_from_outputs(args) -> list[str]:
+    """ARGS with an --output_dir that does not exist, unless they name one: train.py checks output_dir before
+    any process group (and under --dry_run), and the default outputs/tiny-llama may hold a quick start's run."""
+    args = [str(a) for a in args]
+    if "--output_dir" in args:
+        return args
+    return args + ["--output_dir", os.path.join(tempfile.gettempdir(), f"zero-recipes-no-output-{os.getpid()}")]
+
+
 def refusal(*args: str, world: int = 1) -> str:
     """The one line train.py prints for ARGS as rank 0 of `world` ranks, found in this process. It must come
     before any process group: reaching distributed.init fails the test rather than waiting for absent ranks."""
@@ -254,7 +264,7 @@ def refusal(*args: str, world: int = 1) -> str:
     from zero_recipes import distributed as dist
     from zero_recipes.config import ConfigError
 
-    args = tuple(map(str, args))
+    args = tuple(away_from_outputs(args))
 
     def no_process_group(*_a, **_k):
         raise AssertionError(f"train.py {' '.join(args)} got as far as starting a process group")
@@ -282,7 +292,7 @@ def dry_run_in_process(*args: str, world: int = 1, local_world: int | None = Non
 
     out = io.StringIO()
     with as_rank0_of(world, local_world), redirect_stdout(out):
-        assert train.main([*map(str, args), "--dry_run"]) == 0
+        assert train.main([*away_from_outputs(args), "--dry_run"]) == 0
     return out.getvalue()
 
 

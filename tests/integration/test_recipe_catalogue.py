@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers import REPO, launch
-from zero_recipes.shipped import SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from zero_recipes.shipped import ARCHITECTURES, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher).
@@ -62,13 +61,11 @@ def recipe_of(name: str) -> dict:
 
 def shipped_config(name: str) -> Path:
     """The published config.json of the recipe's architecture: its model_config (from-scratch recipes), or
-    the one its '# Memory:' command names (recipes that load a hub model)."""
+    the hub model's, shipped in recipes/configs/ (shipped.ARCHITECTURES; its '# Memory:' command names the same)."""
     recipe = recipe_of(name)
     if recipe.get("model_config"):
         return REPO / recipe["model_config"]
-    m = re.search(r"--model (recipes/configs/\S+\.json)", (REPO / "recipes" / name).read_text())
-    assert m, f"{name}: names no config in recipes/configs/"
-    return REPO / m.group(1)
+    return REPO / ARCHITECTURES[recipe["model_name_or_path"]]
 
 
 # ---- stand-ins -------------------------------------------------------------------------------------

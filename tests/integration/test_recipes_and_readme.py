@@ -1,16 +1,19 @@
-"""What the docs promise a user, checked where it is written: every shipped recipe resolves under --dry_run;
+"""What the docs promise a user, checked where it is written: every shipped recipe resolves under --dry_run, offline;
 every JSON in ds_configs/ is in ds_configs/README.md's table and each combination a row names resolves; the
 README's test command is what .ci/run runs; the README's recipe memory column matches the recipe headers;
 the docs' relative links point at files that exist. No test depends on a document's headings."""
 
+import importlib
 import re
 import shlex
-import shutil
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers import REPO, dry_run_in_process, tool_in_process
+from helpers import REPO, dry_run_in_process, free_port, refusal, tool_in_process
+from zero_recipes.shipped import ARCHITECTURES
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()
@@ -37,31 +40,70 @@ def quick_start_model(tmp_path_factory):
     return out
 
 
+@pytest.fixture(params=["HF_HUB_OFFLINE", "hub unreachable"])
+def hub_offline(request, monkeypatch):
+    """The hub offline, both ways a user meets it; returns the reason train.py must give. HF_HUB_OFFLINE=1 is
+    set where huggingface_hub reads it (constants.HF_HUB_OFFLINE, at import); "unreachable" is its endpoint
+    (HF_ENDPOINT, constants.ENDPOINT) on a port of this worker's range where nothing listens."""
+    from huggingface_hub import constants
+
+    if request.param == "HF_HUB_OFFLINE":
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        return "HF_HUB_OFFLINE is set"
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    return f"no answer from {endpoint}"
+
+
+# A dry run that waits on huggingface_hub's retries takes 26 s more than one that does not (measured); the
+# slowest recipe here (an 8B LoRA, its memory estimate traced through peft) takes 5-9 s on a busy 2-core Xeon.
+OFFLINE_DRY_RUN_S = 20
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_resolves_and_header_carries_its_command(recipe, quick_start_model, tmp_path):
+def test_recipe_dry_runs_offline_as_shipped_and_header_carries_its_command(recipe, hub_offline, tmp_path):
+    """Every recipe as shipped, the hub offline: its architecture from recipes/configs/ (the same file its
+    '# Memory:' command names), the quick start's model before the quick start ran, and saying so."""
     text = recipe.read_text()
     for label in ("# Trains:", "# Hardware:", "# Launch:", "# Memory:"):
         assert label in text, f"{recipe.name} header lacks {label}"
     launch_line = next(line for line in text.splitlines() if line.startswith("# Launch:"))
     assert f"recipes/{recipe.name}" in launch_line and "train.py" in launch_line
-    extra = []
-    if "model_name_or_path: outputs/tiny-llama" in text:
-        assert "# Needs:" in text and "quick start" in text  # the header says to run the quick start first
-        extra = ["--model_name_or_path", str(quick_start_model)]
-    elif re.search(r"^model_name_or_path: (?!outputs/)", text, flags=re.M):
-        # a hub model (no network here): stood in for by its published config.json, the one the '# Memory:'
-        # command names; a config with model_type defines the same architecture on its own
-        shipped = re.search(r"--model (recipes/configs/\S+\.json)", text)
-        assert shipped, f"{recipe.name}: a hub model's '# Memory:' command must name its config in recipes/configs/"
-        extra = ["--model_config", shipped.group(1)]
-        if re.search(r"^lora:", text, flags=re.M):  # LoRA needs a pretrained directory: its config stands in
-            local = tmp_path / "model"
-            local.mkdir()
-            shutil.copy(REPO / shipped.group(1), local / "config.json")
-            extra = ["--model_name_or_path", str(local)]
-    out = dry_run_in_process("--recipe", recipe, *extra)
+    importlib.import_module("train")  # once per worker, and not timed: the imports take 4-10 s here
+    started = time.monotonic()
+    out = dry_run_in_process("--recipe", recipe, "--output_dir", tmp_path / "run")
+    took = time.monotonic() - started
     assert "plan: model" in out and '"auto"' not in out
     assert "memory: estimated peak" in out  # the dry run shows tools/estimate_memory.py's estimate
+    fields = yaml.safe_load(text)
+    model = fields.get("model_name_or_path")
+    if model == "outputs/tiny-llama":
+        assert "# Needs:" in text and "quick start" in text  # the header says to run the quick start first
+        assert "note: outputs/tiny-llama does not exist yet (the quick start writes it)" in out
+    elif model:
+        assert model in ARCHITECTURES, f"{recipe.name}: add {model}'s published config to shipped.ARCHITECTURES"
+        named = re.search(r"--model (recipes/configs/\S+\.json)", text)
+        assert named and named.group(1) == ARCHITECTURES[model], f"{recipe.name}: '# Memory:' names another config"
+        assert f"note: hub offline ({hub_offline}" in out and f"{model}, {ARCHITECTURES[model]}" in out
+    if not fields["dataset_name"].startswith("builtin:"):
+        assert f"data: {fields['dataset_name']}: a hub dataset, not read (hub offline: {hub_offline}" in out
+    assert took < OFFLINE_DRY_RUN_S, f"{recipe.name}: the offline dry run took {took:.1f} s"
+
+
+def test_every_shipped_architecture_is_a_hub_models_config():
+    shipped = {f"recipes/configs/{p.name}" for p in (REPO / "recipes" / "configs").glob("*.json")}
+    assert sorted(ARCHITECTURES.values()) == sorted(shipped), "shipped.ARCHITECTURES names each file once"
+
+
+def test_a_lora_recipe_takes_a_model_config_for_its_dry_run_and_says_so(tmp_path):
+    recipe = ["--recipe", "recipes/llama-3.1-8b-lora-24gb.yaml", "--model_config", "recipes/configs/llama-3.1-8b.json"]
+    out = dry_run_in_process(*recipe, "--output_dir", tmp_path)
+    assert "note: --model_config stands in for the architecture of meta-llama/Llama-3.1-8B in this dry run" in out
+    assert "plan: model llama 8030.26M parameters" in out
+    # training would build the base from the config instead of loading its weights: refused, with the reason
+    line = refusal(*recipe, "--output_dir", tmp_path, "--deepspeed", "ds_configs/zero2.json")
+    assert "LoRA adapts pretrained weights" in line and "without --model_config" in line
 
 
 def test_ds_configs_readme_lists_every_config():

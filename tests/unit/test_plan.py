@@ -2,6 +2,7 @@
 
 import pytest
 
+from helpers import dry_run_in_process, refusal
 from zero_recipes.config import ConfigError
 from zero_recipes.plan import RunPlan
 
@@ -48,3 +49,101 @@ def test_an_auto_nobody_can_fill_fails_before_anything_runs(tmp_path):
     bad.write_text('{"zero_optimization": {"sub_group_size": "auto"}}')
     with pytest.raises(ConfigError, match="sub_group_size"):
         RunPlan.from_args(ZERO3 + [str(bad), "--max_steps", "0"])
+
+
+# ---- what the plan and --dry_run check before any process group ------------------------------------------
+# (every case through train.main in this process: helpers.refusal and dry_run_in_process)
+
+BLOOM = '{"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 4096}'
+
+
+def _flash_installed(version: int) -> bool:
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    return {2: is_flash_attn_2_available, 3: is_flash_attn_3_available}[version]()
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        pytest.param(
+            ["--attn_implementation", "flash_attention_2"],
+            "flash_attention_2 cannot be used: the package for FlashAttention2 doesn't seem to be installed; "
+            "install it, or use --attn_implementation sdpa",
+            marks=pytest.mark.skipif(_flash_installed(2), reason="flash-attn is installed here"),
+            id="flash2-not-installed",
+        ),
+        pytest.param(
+            ["--attn_implementation", "flash_attention_3"],
+            "the package for FlashAttention3 doesn't seem to be installed",
+            marks=pytest.mark.skipif(_flash_installed(3), reason="flash-attn 3 is installed here"),
+            id="flash3-not-installed",
+        ),
+        pytest.param(
+            ["--attn_implementation", "flex_attention"],
+            "flex_attention cannot train on cpu: torch's FlexAttention has no backward there",
+            marks=pytest.mark.skipif(not _on_cpu(), reason="flex_attention trains on this accelerator"),
+            id="flex-on-cpu",
+        ),
+        pytest.param(
+            ["--model_config", BLOOM],  # the default sdpa, on a class without it
+            "sdpa cannot be used: BloomForCausalLM does not support an attention implementation through "
+            "torch.nn.functional.scaled_dot_product_attention yet; use --attn_implementation eager",
+            id="sdpa-unsupported-by-the-model",
+        ),
+        pytest.param(
+            ["--model_config", BLOOM, "--attn_implementation", "flash_attention_2"],
+            "BloomForCausalLM does not support Flash Attention 2 yet",
+            id="flash2-unsupported-by-the-model",
+        ),
+        pytest.param(
+            ["--attn_implementation", "flash"],
+            'Specified `attn_implementation="flash"` is not supported; use --attn_implementation sdpa '
+            "(LlamaForCausalLM supports eager, sdpa",
+            id="unknown-value",
+        ),
+    ],
+)
+def test_an_attention_that_cannot_run_is_refused_in_one_line_even_in_a_dry_run(args, words):
+    assert words in refusal(*args, "--dry_run")
+    assert words in refusal(*args, "--deepspeed", "ds_configs/zero2.json")  # and before a real run's process group
+
+
+def test_an_attention_that_runs_is_planned():
+    assert "plan: model llama" in dry_run_in_process("--attn_implementation", "eager")
+    assert "plan: model bloom" in dry_run_in_process("--model_config", BLOOM, "--attn_implementation", "eager")
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (None, "dataset '{path}' does not exist; give an existing file"),
+        ("", "dataset file '{path}' is empty"),
+        ('{"txt": "a"}\n', "dataset '{path}' has no column 'text' (columns: txt)"),
+        ('{"messages": [{"role": "human", "content": "hi"}]}\n', "dataset '{path}', example 1: unknown chat role"),
+        ('{"text": "a"}\n{"text": \n', "{path}:2:"),  # the line that is not JSON, named
+    ],
+    ids=["missing", "empty", "no-text-column", "bad-chat-role", "bad-json-line"],
+)
+def test_a_dry_run_reads_the_data_and_refuses_what_training_would(tmp_path, content, words):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert words.format(path=path) in refusal("--dataset_name", path, "--dry_run")
+
+
+def test_a_dry_run_says_what_it_read_and_what_a_launch_does_with_output_dir(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n' * 40)
+    out = dry_run_in_process("--dataset_name", data, "--output_dir", tmp_path / "run")
+    assert f"data: {data}: the first 16 rows of train read; detected format 'messages'" in out
+    assert f"output: {tmp_path / 'run'}: a launch trains from scratch" in out
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    assert "holds no zero-recipes run" in refusal("--output_dir", tmp_path / "theirs", "--dry_run")
