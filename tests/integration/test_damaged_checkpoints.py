@@ -7,6 +7,7 @@ tests/unit/test_checkpoint_damage.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -126,3 +127,22 @@ def test_the_same_command_again_resumes_bit_for_bit_from_the_newest_intact_check
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
     assert step_losses(again) == step_losses(run)  # steps 5-8 trained again, exactly as the first time
     assert damage(step8) is None  # saved again, whole
+
+
+@pytest.mark.parametrize("layout", sorted(TARGETS))
+def test_a_checkpoint_saved_before_manifests_is_trusted_as_before_less_what_needs_none(layout, runs, tmp_path):
+    run = runs(layout)
+    out = tmp_path / "run"
+    shutil.copytree(run.output_dir, out)
+    for step in (out / "checkpoints").glob("step-*"):  # as the save wrote them before manifests existed
+        (step / "manifest.json").unlink()
+        layout_file = step / "layout.json"
+        layout_file.write_text(
+            json.dumps({k: v for k, v in json.loads(layout_file.read_text()).items() if k != "manifest"})
+        )
+    step8 = out / "checkpoints" / "step-8"
+    assert resolve_resume(out, "auto") == ((out / "checkpoints", "step-8"), None)
+    DAMAGE["truncated"][0](step8 / TARGETS[layout]["truncated"])  # a cut .pt file: its zip directory is gone
+    where, line = resolve_resume(out, "auto")
+    assert where == (out / "checkpoints", "step-4")
+    assert f"({TARGETS[layout]['truncated']} cannot be read as torch.save wrote it (" in line
