@@ -147,3 +147,14 @@ def test_a_dry_run_says_what_it_read_and_what_a_launch_does_with_output_dir(tmp_
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "notes.txt").write_text("mine")
     assert "holds no zero-recipes run" in refusal("--output_dir", tmp_path / "theirs", "--dry_run")
+
+
+def test_offline_a_hub_model_without_a_shipped_architecture_is_refused_at_once(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets when it is imported
+    line = refusal("--model_name_or_path", "some-org/some-model", "--dry_run")
+    assert (
+        "cannot read the config of some-org/some-model: HF_HUB_OFFLINE is set, and it is not in the local cache" in line
+    )
+    assert "give its config.json (with model_type) as --model_config" in line
