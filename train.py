@@ -35,6 +35,7 @@ from zero_recipes import (
     data,
     distributed,
     ds_checks,
+    jit_ops,
     lm_loss,
     loop,
     lora,
@@ -155,6 +156,7 @@ def check_inputs(plan: RunPlan):
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
     resuming.check_resume_layout(resume_request, plan)
+    jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
     return report_to, resume_request, sampled
 
 

@@ -1,0 +1,36 @@
+"""An interrupted first run's JIT build, met by the next launch (zero_recipes/jit_ops.py; the cases one by one are
+in tests/unit/test_ops_cache.py). The launch gets a TORCH_EXTENSIONS_DIR of its own, a copy of the real cache's
+shm comm folder, so the real ~/.cache/torch_extensions is never touched and nothing compiles for minutes."""
+
+import shutil
+
+from helpers import FAST, launch
+from zero_recipes import jit_ops
+
+
+def test_a_stale_lock_on_a_half_built_op_is_cleared_and_rebuilt_not_waited_on(tmp_path, monkeypatch):
+    """What a run killed while linking DeepSpeed's shm comm op leaves: its lock, its objects, no .so. Every CPU
+    launch loads that op; before the check each one waited on the lock forever without a word. Now the first
+    rank removes it and relinks the op, saying so, while the other rank waits for it; then both train."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    builders = jit_ops.jit_builders(["ShareMemCommBuilder"])
+    assert builders, "the CPU accelerator JIT-builds its shm comm op"
+    shm = builders[0]
+    ext = tmp_path / "torch_extensions"
+    folder = ext / shm.name
+    shutil.copytree(jit_ops.build_folder(shm), folder, ignore=shutil.ignore_patterns("lock", "*.so"))
+    (folder / "lock").touch()  # with no process holding it: the builder was killed
+
+    run = launch(
+        FAST + ["--deepspeed", "ds_configs/zero2.json", "--max_steps", "2"],
+        tmp_path / "out",
+        launcher="torchrun",
+        env={"TORCH_EXTENSIONS_DIR": str(ext)},
+        timeout=300,  # the hang this replaces never ends; a rebuild from nothing takes about 30 s here
+    ).check()
+    removed = f"DeepSpeed op {shm.name}: removed {folder}/lock, left by a build that was interrupted"
+    assert run.log.count(removed) == 1, run.log[-3000:]
+    building = [line for line in run.log.splitlines() if line.startswith(f"building DeepSpeed op {shm.name}")]
+    assert len(building) == 1 and str(folder) in building[0]
+    assert (folder / f"{shm.name}.so").exists() and not (folder / "lock").exists()
+    assert len(run.losses) == 2
