@@ -197,7 +197,7 @@ SAMPLE_ROWS = 16
 
 
 def read_sample(spec: DatasetSpec, source: dict, cfg) -> str:
-    """The first SAMPLE_ROWS rows of each split, streamed (nothing prepared or cached), checked for the
+    """The first SAMPLE_ROWS rows of each split, streamed (no Arrow cache is written), checked for the
     format's columns and rows."""
     from itertools import islice
 
