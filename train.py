@@ -75,6 +75,7 @@ def main(argv: list[str]) -> int:
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
     report_to, resume_request, _ = check_inputs(plan)
+    jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
 
     threads = distributed.set_threads(local_world)
     distributed.init()
@@ -156,7 +157,6 @@ def check_inputs(plan: RunPlan):
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
     resuming.check_resume_layout(resume_request, plan)
-    jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
     return report_to, resume_request, sampled
 
 
