@@ -10,6 +10,7 @@ pinned memory and async I/O for NVMe offload (~3 min). On a GPU the same builder
 
 A build folder left locked or half-built by an interrupted build is checked as train.py checks it: a lock no
 process can hold is removed and the op rebuilt, saying so; one it cannot tell about is one `error:` line, exit 2.
+Then each op is loaded, so ninja also rebuilds what a DeepSpeed upgrade changed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             start = time.time()
             jit_ops.settle([builders[name]], say=lambda line: print(line, flush=True))
+            builders[name].load(verbose=False)  # ninja rebuilds what a DeepSpeed upgrade changed; a bad .so shows
             folder = jit_ops.build_folder(builders[name])
             print(f"{name}: ready in {folder} ({time.time() - start:.0f} s)", flush=True)
     except ConfigError as e:

@@ -2,7 +2,7 @@
 and what a planted stale lock, a lock a live process holds, a half-built folder and a lock on a shared
 filesystem each lead to. TORCH_EXTENSIONS_DIR points at a temporary folder, so the real
 ~/.cache/torch_extensions is never touched; nothing here compiles (that starts ninja: the integration test
-tests/integration/test_ops_launch.py rebuilds one for real)."""
+tests/integration/test_ops_launch.py rebuilds one for real, in a launch and in tools/build_ops.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import time
 import pytest
 
 from brought_configs import TRAINS
-from helpers import load_tool, tool_in_process
 from zero_recipes import jit_ops
 from zero_recipes.config import ConfigError
 
@@ -150,18 +149,3 @@ def test_a_lock_on_a_shared_filesystem_is_one_line_once_nothing_changes(ext, mon
 def test_filesystem_kinds(tmp_path):
     assert jit_ops.local_filesystem(tmp_path)
     assert not jit_ops.local_filesystem(jit_ops.Path("/proc/self"))
-
-
-def test_build_ops_clears_a_stale_lock_and_reports_each_op(ext):
-    """tools/build_ops.py settles every op train.py may load with the same check: the stale lock is removed,
-    saying so, and each op is ready where torch will look for it."""
-    builders = jit_ops.jit_builders(list(load_tool("build_ops").OPS))
-    for builder in builders:
-        plant(builder)
-    stale = plant(builders[0], locked=True)
-    run = tool_in_process("build_ops")
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert lines[0].startswith(f"DeepSpeed op {builders[0].name}: removed {stale}/lock")
-    ready = [line for line in lines if ": ready in " in line]
-    assert ready == [f"{type(b).__name__}: ready in {jit_ops.build_folder(b)} (0 s)" for b in builders]
