@@ -5,7 +5,7 @@
 The first run of train.py builds what it needs on its own, saying so; this does it ahead of time, for CI or a
 cluster image, so no rank spends minutes compiling at launch. It builds every op a train.py run may load here
 (zero_recipes/jit_ops.py says which config loads which). On a CPU: shm comm (~28 s on 2 cores), CPU Adam (~43 s),
-fused Adam for DeepSpeed configs with an `optimizer` block (~60 s) and, when libaio's headers are installed,
+fused Adam for DeepSpeed configs with an `optimizer` block (~97 s) and, when libaio's headers are installed,
 pinned memory and async I/O for NVMe offload (~3 min). On a GPU the same builders compile the CUDA ops instead.
 
 A build folder left locked or half-built by an interrupted build is checked as train.py checks it: a lock no

@@ -13,10 +13,12 @@ imports an .so that was never linked (ImportError). So before DeepSpeed loads an
   guards that build; ninja keeps the objects an interrupted build finished.
 - a lock that a process on this machine holds open, or a folder a process works in (torch runs ninja with the
   folder as its cwd, and its compilers inherit it): a live build. It waits, saying who builds what.
-- a lock nobody could hold: the folder is on this machine's own disk (not NFS, Lustre, ...), and every process
-  of the lock's owner could be read and none holds it. It is left from an interrupted build: removed (under an
-  flock on the folder, re-checked there, so two launches never both remove a lock one of them just took) and
-  the op rebuilt, saying so.
+- a lock nobody could hold: the folder is on this machine's own disk (not NFS, Lustre, ...), every process of
+  the lock's owner that could be a builder (a Python interpreter or a compiler, by its comm and cmdline, which
+  all may read) could be read, and none holds it. It is left from an interrupted build: removed (under an flock
+  on the folder, re-checked there, so two launches never both remove a lock one of them just took) and the op
+  rebuilt, saying so. Not seen: a builder in another container (another PID namespace) writing into the same
+  host folder; TORCH_EXTENSIONS_DIR per container avoids that.
 - a lock nobody here holds on a shared filesystem: another machine may be building there (a multi-node first
   run does exactly that). It waits while the folder changes; after QUIET_S without a change it is one line
   naming the folder and the fix, exit 2.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -42,9 +45,9 @@ QUIET_S = 600.0  # a folder unchanged this long is not being built: one compile 
 POLL_S = 0.5
 SAY_EVERY_S = 60.0
 
-# Measured on a 2-core Xeon (the ninja logs of a fresh ~/.cache/torch_extensions/py311_cpu); CUDA ops vary
-# with the GPU architectures compiled for.
-BUILD_S = {"deepspeed_shm_comm": 28, "cpu_adam": 43, "fused_adam": 60, "pin_memory": 23, "async_io": 153}
+# Measured on a 2-core Xeon shared with other jobs (the ninja logs of a fresh ~/.cache/torch_extensions/py311_cpu);
+# CUDA ops vary with the GPU architectures compiled for.
+BUILD_S = {"deepspeed_shm_comm": 28, "cpu_adam": 43, "fused_adam": 97, "pin_memory": 23, "async_io": 153}
 
 # Filesystems only this machine writes: a lock on one can only be held by a process here.
 LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "ramfs", "bcachefs", "jfs"}
@@ -322,7 +325,7 @@ def local_filesystem(path: Path) -> bool:
     target = str(path)
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
-        mount = fields[4].encode().decode("unicode_escape")  # spaces are written \040
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is written \040
         kind = fields[fields.index("-") + 1]
         if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, fstype = mount, kind
