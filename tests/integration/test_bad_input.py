@@ -10,13 +10,15 @@ A refusal that needs prepared data, a rendezvous or a checkpoint runs as a proce
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import socket
 import subprocess
 from dataclasses import dataclass, field
 
 import pytest
 
-from helpers import REPO, dry_run_in_process, free_port, refusal, run_train
+from helpers import REPO, dry_run_in_process, free_port, refusal, run_train, tool_in_process
 
 ZERO2 = ("--deepspeed", "ds_configs/zero2.json")
 TINY_VOCAB = (
@@ -31,7 +33,8 @@ class Case:
     args: tuple  # train.py's arguments; "{tmp}" is the row's own folder, "{port}" a port held by another job
     says: tuple  # fragments the error line must hold
     files: dict = field(default_factory=dict)  # the user's files: path under {tmp} -> text ("" + "/" = a folder)
-    runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1)
+    runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1), "export_hf"
+    damaged_run: bool = False  # {tmp}/run is a copy of a finished ZeRO-2 run, each checkpoint cut short
 
 
 CASES = [
@@ -52,6 +55,8 @@ CASES = [
     Case("bf16 and fp16 flags", (*ZERO2, "--bf16", "--fp16", "--dry_run"), ("bf16 and fp16 are both on",)),
     Case("bf16 and fp16 blocks", (*ZERO2, "{tmp}/both.json", "--dry_run"), ("bf16 and fp16 are both enabled",),
          files={"both.json": '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}'}),
+    Case("flash_attention_2 without flash-attn, dry run", ("--attn_implementation", "flash_attention_2", "--dry_run"),
+         ("flash_attention_2 cannot be used", "--attn_implementation sdpa")),
     Case("block size above max positions", (*ZERO2, "--block_size", "4096", "--dry_run"),
          ("block_size 4096 exceeds the model's max_position_embeddings 1024",)),
     Case("nvme path missing", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json",
@@ -59,6 +64,7 @@ CASES = [
          ("nvme_path", "does not exist; create it on the NVMe drive")),
     # ---- data ----------------------------------------------------------------------------------------
     Case("missing dataset file", (*ZERO2, "--dataset_name", "{tmp}/nope.jsonl"), ("does not exist",)),
+    Case("missing dataset file, dry run", ("--dataset_name", "{tmp}/nope.jsonl", "--dry_run"), ("does not exist",)),
     Case("bad JSON lines", (*ZERO2, "--dataset_name", "{tmp}/bad.jsonl"),
          ("bad.jsonl:2:1: not valid JSON lines",), files={"bad.jsonl": '{"text": "a"}\nnot json\n'}, runner="process"),
     Case("model vocab smaller than the tokenizer",
@@ -75,6 +81,14 @@ CASES = [
     # sysfs refuses new files even to root, as a read-only mount does
     Case("output dir not writable", (*ZERO2, "--output_dir", "/sys/zero-recipes-run"),
          ("cannot write in /sys", "choose a directory you can write to")),
+    # ---- damaged checkpoints: a resume passes over a damaged one; with none intact it is refused --------
+    Case("every checkpoint damaged, relaunched", ("--output_dir", "{tmp}/run"),
+         ("no intact checkpoint to resume from", "(truncated)", "--overwrite_output_dir"), damaged_run=True),
+    Case("a damaged checkpoint named by the user", ("--output_dir", "{tmp}/run", "--resume_from_checkpoint",
+                                                    "{tmp}/run/checkpoints/step-8"),
+         ("step-8 is damaged", "(truncated)"), damaged_run=True),
+    Case("export_hf of a damaged checkpoint", ("{tmp}/run/checkpoints/step-8", "{tmp}/exported"),
+         ("step-8 is damaged", "(truncated)"), damaged_run=True, runner="export_hf"),
     # ---- launching -----------------------------------------------------------------------------------
     Case("rendezvous port held by another job", (*ZERO2, "--max_steps", "1"),
          ("the rendezvous address 127.0.0.1:{port} is already in use (another job on this machine?)",
@@ -93,7 +107,9 @@ def tree(root) -> dict:
 def error_line(case: Case, args: list[str], port: int) -> str:
     if case.runner == "in-process":
         return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
-    if case.runner == "process":
+    if case.runner == "export_hf":
+        proc = tool_in_process("export_hf", *args)
+    elif case.runner == "process":
         proc = run_train(*args)
     else:
         cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(port), "train.py", *args]
@@ -105,15 +121,43 @@ def error_line(case: Case, args: list[str], port: int) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path):
+def damaged_copy(run, dest):
+    """A copy of a finished run whose every checkpoint has its rank-0 optimizer file cut to half; the args
+    it was launched with (relaunching "the same command")."""
+    shutil.copytree(run.output_dir, dest)
+    for step in (dest / "checkpoints").glob("step-*"):
+        shard = step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        os.truncate(shard, shard.stat().st_size // 2)
+    args = list(run.proc.args)
+    return args[args.index("train.py") + 1 : args.index("--output_dir")]
+
+
+def flash_attn_installed() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+
+    return is_flash_attn_2_available()
+
+
+ROWS = [
+    pytest.param(c, id=c.name, marks=pytest.mark.skipif(flash_attn_installed(), reason="flash-attn is installed"))
+    if "flash_attention_2" in c.args
+    else pytest.param(c, id=c.name)
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", ROWS)
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, trained):
     for rel, text in case.files.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.mkdir() if rel.endswith("/") else path.write_text(text)
     port = free_port()
     args = [a.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for a in case.args]
-    if "--output_dir" not in args:
+    if case.damaged_run:
+        launched = damaged_copy(trained("zero2", "fp32").check(), tmp_path / "run")
+        args = args if case.runner == "export_hf" else launched + args
+    if "--output_dir" not in args and case.runner != "export_hf":
         args += ["--output_dir", str(tmp_path / "run")]  # never the repository's outputs/
     before = tree(tmp_path)
     if case.runner == "launcher":
