@@ -4,6 +4,7 @@
         --num_gpus 8 --micro_batch_size 2 --seq_len 4096 --gradient_checkpointing --gpu_memory 80GiB
     python tools/estimate_memory.py --recipe recipes/tiny-llama.yaml --deepspeed ds_configs/zero2.json --num_gpus 2
     python tools/estimate_memory.py --model path/to/config.json --table --gpu_memory 80GiB     # what fits where
+    python tools/estimate_memory.py --model path/to/config.json --table --gpu_memory 80GiB --num_gpus 8  # 8 only
     python tools/estimate_memory.py --model path/to/config.json --tokens 1e12 --num_gpus 64 --gpu H100  # compute
     python tools/estimate_memory.py --model meta-llama/Llama-3.1-8B --deepspeed ds_configs/zero2.json \
         ds_configs/bf16.json --lora_r 16 --gpu_memory 24GiB                                           # LoRA
@@ -20,11 +21,14 @@ Tensor parallelism (DeepSpeed's AutoTP): the size comes from the merged config's
 --tensor_parallel N; AutoTP's split linear layers (their grads and optimizer states) and the activations inside
 attention and the MLP are divided by it, embeddings, norms and the rest stay whole, and ZeRO partitions over the
 data-parallel ranks (world / N). --table tries TP sizes 2, 4 and 8 where they divide the GPUs per node.
+--table shows the --num_gpus given and the --table_gpus asked for (neither: 1 to 64 GPUs per node), its precision
+in the first line, in 120 columns (--wide: every GPU count on one line); docs/memory.md "The table" says more.
 Sequence parallelism (DeepSpeed's Ulysses): the size comes from the merged config's sequence_parallel_size, or
 --sequence_parallel N; each rank's activations are those of seq_len / N tokens (attention on the whole sequence
 with 1/N of the heads), ZeRO partitions over every rank. The loss is train.py's: tiled once a micro-batch has
 more tokens than one tile (--tiled_loss, --loss_tile_tokens), the MLP tiled with --tiled_mlp true. --table adds
-the longest sequence that fits on 1, 2, 4 and 8 GPUs with sequence parallelism over all of them.
+the longest sequence that fits on those GPU counts (neither option: 1, 2, 4 and 8) with sequence parallelism over
+all of them, printed after the table while it searches (a progress line on a terminal).
 """
 
 from __future__ import annotations
@@ -40,12 +44,9 @@ with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
 from zero_recipes.config import ConfigError
-from zero_recipes.memory.from_args import load, one
-from zero_recipes.memory.table import GPU_COUNTS, table
-
-
-def gb(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+from zero_recipes.memory.from_args import loader, one
+from zero_recipes.memory.table import gpu_counts, table
+from zero_recipes.memory.table_text import WIDTH, gb, longest, render
 
 
 def print_one(e, cfg, args, gpu_memory) -> None:
@@ -106,90 +107,12 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         )
 
 
-def print_table(t: dict) -> None:
-    lora = f", LoRA r {t['lora_r']}" if t["lora_r"] else ""
-    print(
-        f"model: {t['num_params'] / 1e9:.3f}B parameters, {t['precision']}{lora}, micro-batch {t['micro_batch_size']} x "
-        f"{t['seq_len']} tokens; peak per GPU (* fits in {gb(t['gpu_memory'])}, ~ tight: the allocated peak "
-        "fits, not with the CUDA context, NCCL and fragmentation)"
-    )
-    if t["lora_tried"]:
-        print(f"+lora: LoRA r {t['lora_tried']['r']} on all-linear (not set: tried before any offload)")
-    if t["tensor_parallel_tried"]:
-        print(
-            "+tpN: AutoTP with N GPUs per group, tried where N divides the GPUs per node (never across nodes); "
-            "ZeRO partitions over the GPUs / N data-parallel ranks"
-        )
-    for note in t["notes"]:
-        print(f"note: {note}")
-    rows = t["rows"] + t["lora_rows"] + t["tp_rows"]
-    columns = list(dict.fromkeys((r["config"], r["lora_r"], r["tensor_parallel"]) for r in rows))
-    label = {
-        k: k[0] + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "") + (f"+tp{k[2]}" if k[2] > 1 else "")
-        for k in columns
-    }
-    print(f"{'GPUs':>5s} {'GC':>3s} " + " ".join(f"{label[k]:>24s}" for k in columns))
-    mark = {"yes": "*", "tight": "~", "no": " "}
-    for n in GPU_COUNTS:
-        for gc in (False, True):
-            cells = {
-                (r["config"], r["lora_r"], r["tensor_parallel"]): r
-                for r in rows
-                if r["num_gpus"] == n and r["gradient_checkpointing"] == gc
-            }
-            print(
-                f"{n:>5d} {'on' if gc else 'off':>3s} "
-                + " ".join(
-                    f"{gb(cells[k]['peak_bytes']) + mark[cells[k]['fit']] if k in cells else '-':>24s}" for k in columns
-                )
-            )
-    print()
-    for n in GPU_COUNTS:
-        b = t["recommended"].get(n)
-        print(f"{n:>3d} GPU(s): " + (recommendation(b, t["lora_r"]) if b else "nothing fits"))
-    if t["longest_sequence"]:
-        print_longest(t["longest_sequence"], t["gpu_memory"])
-
-
-def print_longest(ls: dict, gpu_memory: int) -> None:
-    """The longest sequence per GPU count (Ulysses over all of them), checkpointing off and on."""
-    print(
-        f"\nlongest sequence that fits in {gb(gpu_memory)} (tokens; {ls['config']}, {ls['precision']}, sequence parallel "
-        f"over all GPUs of the node, micro-batch {ls['micro_batch_size']}, loss "
-        f"{'tiled' if ls['tiled_loss'] else 'untiled'}{', MLP tiled' if ls['tiled_mlp'] else ''}):"
-    )
-    print(f"{'GPUs':>5s} {'SP':>3s} {'GC off':>14s} {'GC on':>14s}")
-    for n in dict.fromkeys(r["num_gpus"] for r in ls["rows"]):
-        cells = {r["gradient_checkpointing"]: r for r in ls["rows"] if r["num_gpus"] == n}
-        if any("refused" in r for r in cells.values()):
-            print(f"{n:>5d} {n:>3d}  refused: {cells[False]['refused']}")
-            continue
-
-        def cell(r):
-            if r["seq_len"] is None:
-                return "nothing fits"
-            return (">= " if r["at_cap"] else "") + f"{r['seq_len']:,}"
-
-        print(f"{n:>5d} {n:>3d} {cell(cells[False]):>14s} {cell(cells[True]):>14s}")
-
-
-def recommendation(b: dict, lora_given: int) -> str:
-    lora = f" + LoRA r{b['lora_r']}" if b["lora_r"] and not lora_given else ""
-    tp = b.get("tensor_parallel", 1)
-    return (
-        f"{b['config']}{lora}{f' + tensor parallel {tp} (within a node)' if tp > 1 else ''}"
-        f"{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
-        f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
-        + (" (LoRA: full fine-tuning fits only with offload or not at all)" if lora else "")
-    )
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="hub id, local model directory, or config.json")
     ap.add_argument("--recipe", help="take model, micro-batch, seq len and checkpointing from a recipe")
     ap.add_argument("--deepspeed", nargs="+", help="DeepSpeed JSON fragments, merged as train.py merges them")
-    ap.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default 1)")
+    ap.add_argument("--num_gpus", type=int, help="GPUs per node (default 1; --table: this count only, default 1 to 64)")
     ap.add_argument("--num_nodes", type=int, default=1)
     ap.add_argument("--micro_batch_size", type=int, help="per-GPU micro-batch (default: the recipe's, else 1)")
     ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the recipe's block_size)")
@@ -222,10 +145,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
     ap.add_argument(
+        "--table_gpus",
+        help="--table: GPU counts per node to show, e.g. 1,8,64, or all (1 to 64); with --num_gpus, both",
+    )
+    ap.add_argument("--wide", action="store_true", help=f"--table: every GPU count side by side, not {WIDTH} columns")
+    ap.add_argument(
         "--longest_sequence",
         choices=("true", "false"),
         default="true",
-        help="--table: also search the longest sequence that fits per GPU count (about a minute for an 8B model)",
+        help="--table: also search the longest sequence that fits per GPU count (~10 s each for an 8B model)",
     )
     ap.add_argument("--tokens", type=float, help="training tokens: adds total FLOPs, time, GPU-hours and energy")
     ap.add_argument("--gpu", default="H100", help="GPU for --tokens (peak FLOP/s and board power), default H100")
@@ -237,6 +165,12 @@ def parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     if not args.model and not args.recipe:
         raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
+    if not args.table and (args.table_gpus or args.wide):
+        raise ConfigError("--table_gpus and --wide shape the table; add --table (or drop them for one estimate)")
+    if args.table_gpus is not None:
+        args.table_gpus = table_gpus(args.table_gpus)
+    args.table_counts = gpu_counts(args.num_gpus, args.table_gpus)  # before --num_gpus takes its default
+    args.num_gpus = 1 if args.num_gpus is None else args.num_gpus
     if args.num_gpus < 1 or args.num_nodes < 1:
         raise ConfigError(f"--num_gpus and --num_nodes must be >= 1 (got {args.num_gpus} and {args.num_nodes})")
     if args.tensor_parallel is not None and args.tensor_parallel < 1:
@@ -247,13 +181,57 @@ def check_args(args) -> None:
         raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
 
 
+def table_gpus(text: str) -> tuple[int, ...] | str:
+    """--table_gpus: "all", or GPU counts per node separated by commas."""
+    if text.strip() == "all":
+        return "all"
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise ConfigError(f"--table_gpus takes GPU counts per node like 1,8,64 (each >= 1), or all; got {text!r}")
+    return tuple(counts)
+
+
 def run_table(args, gpu_memory) -> None:
     if gpu_memory is None:
         raise ConfigError("--table needs --gpu_memory, e.g. --gpu_memory 80GiB")
-    t = table(args, gpu_memory, load)
-    print(json.dumps(t, indent=2) if args.json else "", end="\n" if args.json else "")
-    if not args.json:
-        print_table(t)
+    counts, longest_counts = args.table_counts
+    show = status_line(sys.stderr)
+
+    def grid_done(t: dict) -> None:  # the table now, the longest sequence's search after it
+        if show:
+            show(None)
+        print("\n".join(render(t, args.wide)), flush=True)
+
+    try:
+        t = table(args, gpu_memory, loader(), counts, longest_counts, show, None if args.json else grid_done)
+    finally:
+        if show:
+            show(None)
+    if args.json:
+        print(json.dumps(t, indent=2))
+    elif t["longest_sequence"]:
+        print("\n".join(longest(t["longest_sequence"], gpu_memory)))
+
+
+def status_line(stream):
+    """The table's progress as one line redrawn in place, with the seconds so far, on a terminal (an 8B model's
+    table takes tens of seconds, most in the longest sequence's search); none into a file or a pipe, which get
+    the result alone. show(None) clears the line."""
+    import time
+
+    if not stream.isatty():
+        return None
+    start = time.monotonic()
+
+    def show(text: str | None) -> None:
+        line = "" if text is None else f"[{time.monotonic() - start:4.0f} s] {text}"[: WIDTH - 1]
+        stream.write(f"\r\033[K{line}")
+        stream.flush()
+
+    return show
 
 
 def run_one(args, gpu_memory) -> None:

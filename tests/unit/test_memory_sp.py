@@ -11,7 +11,7 @@ import torch
 from helpers import fwd_bwd_peak_bytes, small_llama
 from zero_recipes.config import ConfigError
 from zero_recipes.memory import Launch, activation_bytes, estimate
-from zero_recipes.memory.table import longest_sequence
+from zero_recipes.memory.longest import longest_sequence
 
 BF16 = torch.bfloat16
 

@@ -7,18 +7,24 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
+from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
 
 
-def load(args, deepspeed: list[str], world: int, micro: int | None = None):
-    """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing."""
+def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo: dict | None = None):
+    """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing. `memo`
+    (see `loader`) keeps the model config of arguments already read."""
     from .. import ds_config, lm_loss, parallel, sequence_parallel
     from ..cli import parse_args
 
     cfg, explicit = parse_args(train_argv(args, deepspeed, micro))
-    config, hidden = model_config(args, cfg)
+    key = tuple(train_argv(args, [], micro))  # all that decides the model config: the arguments but --deepspeed
+    memo = {} if memo is None else memo
+    if key not in memo:
+        memo[key] = model_config(args, cfg)
+    config, hidden = memo[key]
     raw = ds_config.load_fragments(cfg.deepspeed)
     flag_overrides(args, raw)
     notes = precision_notes(raw, cfg)
@@ -30,6 +36,17 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None):
     parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
     notes += sequence_parallel.check(mesh, config, ds, cfg, lm_loss.knows_head(config))
     return cfg, config, ds, notes
+
+
+def loader():
+    """`load` for the table, which loads once per cell with only the DeepSpeed files and the world changing: the
+    model config (and, under LoRA, the meta model its targets are checked on) is read once, not once a cell."""
+    memo: dict = {}
+
+    def cached(args, deepspeed: list[str], world: int, micro: int | None = None):
+        return load(args, deepspeed, world, micro, memo)
+
+    return cached
 
 
 def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
@@ -100,16 +117,7 @@ def flag_overrides(args, raw: dict) -> None:
 
 def precision_notes(raw: dict, cfg) -> list[str]:
     """What the estimate assumes about the precision: fp32 when nothing sets one, NF4 under load_in_4bit."""
-    notes = []
-    if (
-        all(raw.get(k, {}).get("enabled", "auto") == "auto" for k in ("bf16", "fp16"))
-        and cfg.bf16 is None
-        and cfg.fp16 is None
-    ):
-        notes.append(
-            'precision: fp32 assumed (the config says "auto" and nothing sets bf16/fp16, so train.py '
-            "would train in fp32); add ds_configs/bf16.json for bf16"
-        )
+    notes = [FP32_ASSUMED] if assumed_fp32(raw, cfg) else []
     if cfg.load_in_4bit:
         notes.append(
             "load_in_4bit (QLoRA): linear weights counted at NF4's 0.52 bytes each (4-bit codes and double-"

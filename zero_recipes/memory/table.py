@@ -13,13 +13,7 @@ belong on NVLink: DeepSpeed's mesh makes a TP group of consecutive ranks (utils/
 `_init_tp_mesh_device`), one node when the size divides the GPUs per node, and the table's GPU counts are
 per node, so it tries only sizes that divide them and never puts a TP group across nodes. It comes after
 checkpointing (simpler, and no all-reduce on the critical path) and before LoRA (it trains every parameter).
-
-The longest sequence that fits (`longest_sequence`) answers another question: with Ulysses sequence parallelism
-over every GPU of a node (`sequence_parallel_size` = GPUs, ZeRO-3, the table's precision, train.py's tiled loss),
-how many tokens can one sequence have, with and without gradient checkpointing? Found by bisection over the
-estimate itself: doubling from 1024 tokens until it no longer fits, then splitting the gap between the last length
-that fits and the first that does not (where the peak interpolated between them meets the memory), in multiples
-of 1024, until it is under 1/32 of the length.
+(The longest sequence that fits, which the table ends with, is longest.py's.)
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import shipped
+from .longest import LONGEST_GPUS, longest_rows
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_CONFIGS = shipped.select(
@@ -52,11 +47,16 @@ LORA_CONFIGS = ("zero1", "zero2", "zero3")
 # Tensor-parallel sizes the table tries, each where it divides the GPUs per node (a TP group within a node)
 TP_SIZES = (2, 4, 8)
 TP_CONFIGS = ("zero1", "zero2", "zero3")
-# The longest sequence: sequence parallelism over all GPUs of one node, at these counts, under ZeRO-3
-LONGEST_GPUS = (1, 2, 4, 8)
-LONGEST_CONFIG = "zero3"
-LONGEST_STEP = 1024  # lengths are multiples of this (so every SP size up to 1024 divides them)
-LONGEST_CAP = 2**24  # 16M tokens: the search stops there and reports "at least"
+
+
+def gpu_counts(num_gpus: int | None, table_gpus: tuple | str | None) -> tuple[tuple, tuple]:
+    """(GPU counts per node the table shows, those its longest sequence is searched for): the --num_gpus given
+    and the --table_gpus asked for, each for both; with neither, or --table_gpus all, the sweep GPU_COUNTS and,
+    for the search, LONGEST_GPUS (the sweep's counts that make one node's sequence-parallel group)."""
+    if table_gpus == "all" or (num_gpus is None and not table_gpus):
+        return GPU_COUNTS, LONGEST_GPUS
+    counts = tuple(sorted({*(table_gpus or ()), *(() if num_gpus is None else (num_gpus,))}))
+    return counts, counts
 
 
 def lora_of(cfg):
@@ -95,16 +95,17 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
     return {"lora_r": lora_r, "lora": lora, "configs": names, "shape": shape, "acts": acts, "tp": tp}
 
 
-def tp_variants(cfg, config, ds: dict, precision: str, notes: list) -> list[dict]:
-    """Full fine-tuning under each TP size this model can be split by (train.py's own check, parallel.py
-    `check_tensor_parallel`: a TP plan, heads divisible, no LoRA); the sizes it cannot take are a note."""
+def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tuple, progress) -> list[dict]:
+    """Full fine-tuning under each TP size that divides one of `counts` (a TP group within a node) and this model
+    can be split by (train.py's own check, parallel.py `check_tensor_parallel`: a TP plan, heads divisible, no
+    LoRA); the sizes it cannot take are a note."""
     from .. import parallel
     from ..config import ConfigError
 
     if cfg.lora_r:
         return []
     out, refused = [], []
-    for tp in TP_SIZES:
+    for tp in (tp for tp in TP_SIZES if any(n % tp == 0 for n in counts)):
         try:
             # as its cells will run: ZeRO-1 at least (TP_CONFIGS), at this TP size
             tried = {**ds, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}
@@ -112,6 +113,7 @@ def tp_variants(cfg, config, ds: dict, precision: str, notes: list) -> list[dict
         except ConfigError as err:
             refused.append(f"{tp} ({str(err).split(': ', 1)[-1].split(';')[0]})")
             continue
+        progress(f"tracing the activations under tensor parallelism {tp}")
         out.append(variant(cfg, config, precision, None, 0, TP_CONFIGS, tp))
     if refused:
         notes.append("tensor parallelism not tried for autotp_size " + ", ".join(refused))
@@ -151,37 +153,54 @@ def first_fitting(order: list, fitting: dict, run, micro0: int) -> dict | None:
     }
 
 
-def table(args, gpu_memory: int, load) -> dict:
-    """Every GPU count x config x gradient checkpointing (and the LoRA and TP sizes tried); activations scaled
-    by micro-batch (exact for sdpa/flash: they are linear in it). `load(args, deepspeed_files, world)` is the
-    CLI's parsing through train.py's: (TrainConfig, model config, resolved DeepSpeed dict, notes)."""
+def table(
+    args, gpu_memory: int, load, counts=GPU_COUNTS, longest_counts=LONGEST_GPUS, progress=None, grid_done=None
+) -> dict:
+    """Every GPU count of `counts` x config x gradient checkpointing (and the LoRA and TP sizes tried);
+    activations scaled by micro-batch (exact for sdpa/flash: they are linear in it). `load(args, deepspeed_files,
+    world)` is the CLI's parsing through train.py's: (TrainConfig, model config, resolved DeepSpeed dict, notes).
+    `progress(text)`, when given, hears what the slow steps are doing (the traces; the longest sequence's search);
+    `grid_done(t)` gets the table before the longest sequence is searched (most of a large model's time), so the
+    CLI prints it while the search runs."""
     import tempfile
 
     from ..ds_config import precision as ds_precision
+    from .precision import FP32_ASSUMED, statement
 
+    progress = progress or (lambda text: None)
     with tempfile.TemporaryDirectory(prefix="zr-table-") as tmp:
         # each cell's TP size as one more fragment, last, so it overrides one the user's files may set
         fragment = {tp: tp_fragment(Path(tmp), tp) for tp in (1, *TP_SIZES)}
         cfg, config, ds, notes = load(args, [*(args.deepspeed or TABLE_CONFIGS["zero1"]), fragment[1]], 1)
         precision = ds_precision(ds)
+        assumed = FP32_ASSUMED in notes  # the table's first line says it, not a note as well
+        notes = [n for n in notes if n != FP32_ASSUMED]
+        stated = statement(precision, assumed, list(args.deepspeed or []), config)
+        progress("tracing the activations (full fine-tuning, LoRA)")
         variants = table_variants(cfg, config, precision)
-        variants += tp_variants(cfg, config, ds, precision, notes)
+        variants += tp_variants(cfg, config, ds, precision, notes, counts, progress)
         rows = {"rows": [], "lora_rows": [], "tp_rows": []}
         best, best_full = {}, {}
         extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
         micro0 = cfg.per_device_train_batch_size
         run = cell_estimator(args, cfg, config, gpu_memory)
-        for n in GPU_COUNTS:
+        for n in counts:
+            progress(f"estimating {n} GPU(s) per node")
             fitting = grid_rows(args, n, variants, extra, fragment, load, run, micro0, rows)
             full = [v for v in variants if v["lora_r"] == variants[0]["lora_r"]]
             for order, into in ((preference(variants), best), (preference(full), best_full)):
                 choice = first_fitting(order, fitting, lambda v, ds_n, gc, micro: run(v, ds_n, n, gc, micro), micro0)
                 if choice:
                     into[n] = choice
-        longest = None  # --longest_sequence false: the table alone (the search costs about a minute for an 8B)
-        if getattr(args, "longest_sequence", "true") != "false":
-            longest = longest_rows(args, cfg, config, extra, fragment[1], load, gpu_memory, notes)
-    return summary(cfg, variants, precision, gpu_memory, rows, best, best_full, longest, notes)
+        out = summary(cfg, variants, precision, gpu_memory, rows, best, best_full, notes)
+        out.update(precision_statement=stated, gpu_counts=list(counts), num_nodes=args.num_nodes)
+        if grid_done:
+            grid_done(out)
+        if getattr(args, "longest_sequence", "true") != "false":  # false: the table alone
+            out["longest_sequence"] = longest_rows(
+                args, cfg, config, precision, extra, fragment[1], load, gpu_memory, longest_counts, progress
+            )
+    return out
 
 
 def cell_estimator(args, cfg, config, gpu_memory: int):
@@ -208,10 +227,14 @@ def grid_rows(args, n: int, variants: list, extra: list, fragment: dict, load, r
         if n % v["tp"]:  # a TP group stays within a node: its size divides the GPUs per node
             continue
         into = rows["tp_rows"] if v["tp"] > 1 else rows["rows"] if v is variants[0] else rows["lora_rows"]
+        # the resolved config does not depend on checkpointing: one load per config, not one per cell
+        resolved = {
+            name: load(args, [*TABLE_CONFIGS[name], *extra, fragment[v["tp"]]], n * args.num_nodes)[2]
+            for name in v["configs"]
+        }
         for gc in (False, True):
             for name in v["configs"]:
-                files = [*TABLE_CONFIGS[name], *extra, fragment[v["tp"]]]
-                _, _, ds_n, _ = load(args, files, n * args.num_nodes)
+                ds_n = resolved[name]
                 e = run(v, ds_n, n, gc, micro0)
                 row = {"num_gpus": n, "config": name, "gradient_checkpointing": gc}
                 row.update(peak_bytes=e.per_gpu["peak_bytes"], fits=e.fits, fit=e.fit, lora_r=v["lora_r"])
@@ -222,7 +245,7 @@ def grid_rows(args, n: int, variants: list, extra: list, fragment: dict, load, r
     return fitting
 
 
-def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, best_full, longest, notes) -> dict:
+def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, best_full, notes) -> dict:
     """The table as tools/estimate_memory.py prints it (--json: as it is)."""
     micro0 = cfg.per_device_train_batch_size
     return {
@@ -239,132 +262,9 @@ def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, be
         "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if rows["lora_rows"] else None,
         "recommended": best,
         "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
-        "longest_sequence": longest
-        and {
-            "config": LONGEST_CONFIG,
-            "precision": precision,
-            "micro_batch_size": micro0,
-            "tiled_loss": cfg.tiled_loss,
-            "tiled_mlp": cfg.tiled_mlp,
-            "rows": longest,
-        },
+        "longest_sequence": None,  # longest.py's, added after the grid
         "notes": notes,
     }
-
-
-def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None) -> dict:
-    """The longest multiple of LONGEST_STEP tokens whose estimate fits `gpu_memory` (verdict "yes") for this
-    DeepSpeed config and launch (its seq_len is what is searched). Bracketed from LONGEST_STEP upwards, each try
-    where the line through the peaks of the last two lengths that fit meets the memory (the activations are close
-    to linear in the length under sdpa/flash, so this lands next to the answer); then the bracket is split where
-    the line between its ends meets it (the midpoint when that would not split it), and the split point's
-    neighbour one resolution away closes it, until the bracket is within 1/32 of the length (or LONGEST_STEP).
-    Returns {"seq_len": N, or None when even LONGEST_STEP does not fit, "peak_bytes", "at_cap": True when it
-    still fits at LONGEST_CAP, "estimates": how many were made}."""
-    import dataclasses
-
-    from .estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES, estimate
-
-    shape = shape or _shape(config)
-    tried = {}
-    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (1 + FRAGMENTATION)  # the most a "yes" may peak at
-
-    def peak(seq: int) -> int:
-        if seq not in tried:
-            tried[seq] = estimate(config, ds, dataclasses.replace(launch, seq_len=seq), shape, gpu_memory=gpu_memory)
-        return tried[seq].per_gpu["peak_bytes"]
-
-    def fits(seq: int) -> bool:
-        peak(seq)
-        return bool(tried[seq].fits)
-
-    def resolution(seq: int) -> int:
-        return max(LONGEST_STEP, seq // 32 // LONGEST_STEP * LONGEST_STEP)
-
-    def meets(a: int, b: int) -> int:
-        """Where the line through the peaks at a and b reaches the target, in whole steps (0: it never does)."""
-        slope = (peak(b) - peak(a)) / (b - a)
-        return int(a + (target - peak(a)) / slope) // LONGEST_STEP * LONGEST_STEP if slope > 0 else 0
-
-    if not fits(LONGEST_STEP):
-        return {"seq_len": None, "peak_bytes": peak(LONGEST_STEP), "at_cap": False, "estimates": len(tried)}
-    lo, hi, below = LONGEST_STEP, None, None
-    while hi is None and lo < LONGEST_CAP:  # bracket: try where the line through the last two fits meets it
-        guess = meets(below, lo) if below else 2 * lo
-        guess = min(max(guess, lo + resolution(lo)), LONGEST_CAP) if guess else min(2 * lo, LONGEST_CAP)
-        if fits(guess):
-            below, lo = lo, guess
-        else:
-            hi = guess
-    while hi is not None and hi - lo > resolution(lo):  # split the bracket where the line between its ends meets it
-        mid = meets(lo, hi)
-        mid = mid if lo < mid < hi else (lo + hi) // 2 // LONGEST_STEP * LONGEST_STEP
-        if fits(mid):
-            lo, near = mid, min(mid + resolution(mid), hi)
-        else:
-            hi, near = mid, max(mid - resolution(mid), lo)
-        if lo < near < hi:
-            lo, hi = (near, hi) if fits(near) else (lo, near)
-    return {"seq_len": lo, "peak_bytes": peak(lo), "at_cap": lo >= LONGEST_CAP, "estimates": len(tried)}
-
-
-def _shape(config):
-    from .shape import ModelShape
-
-    return ModelShape.of(config)
-
-
-def longest_rows(args, cfg, config, extra: list, fragment, load, gpu_memory: int, notes: list) -> list[dict]:
-    """longest_sequence for LONGEST_GPUS GPUs per node x gradient checkpointing off and on: sequence parallelism
-    over all of a node's GPUs, ZeRO-3, the run's precision, micro-batch and loss/MLP tiling. A GPU count train.py
-    would refuse as an SP size (heads it does not divide, LoRA) is a row with its reason."""
-    import tempfile
-
-    from ..config import ConfigError
-    from .estimate import Launch
-
-    shape = _shape(config)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="zr-longest-") as tmp:
-        for n in LONGEST_GPUS:
-            files = [*TABLE_CONFIGS[LONGEST_CONFIG], *extra, fragment, sp_fragment(Path(tmp), n)]
-            try:
-                _, _, ds_n, _ = load(args, files, n * args.num_nodes)
-            except ConfigError as err:
-                for gc in (False, True):
-                    rows.append({"num_gpus": n, "sequence_parallel": n, "gradient_checkpointing": gc,
-                                 "seq_len": None, "refused": str(err).split(";")[0]})  # fmt: skip
-                continue
-            for gc in (False, True):
-                launch = Launch(
-                    n,
-                    args.num_nodes,
-                    cfg.per_device_train_batch_size,
-                    cfg.block_size,
-                    gc,
-                    cfg.attn_implementation or "sdpa",
-                    tiled_loss=cfg.tiled_loss,
-                    loss_tile_tokens=cfg.loss_tile_tokens,
-                    tiled_mlp=cfg.tiled_mlp,
-                )
-                found = longest_sequence(config, ds_n, launch, gpu_memory, shape)
-                rows.append({"num_gpus": n, "sequence_parallel": n, "gradient_checkpointing": gc, **found})
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if positions and any((r.get("seq_len") or 0) > positions for r in rows):
-        notes.append(
-            f"longest sequence: beyond the model's max_position_embeddings ({positions:,}) it needs RoPE scaling or "
-            "training at that length; the memory is what the table shows"
-        )
-    return rows
-
-
-def sp_fragment(tmp: Path, sp: int) -> str:
-    """A --deepspeed fragment setting Ulysses' size (1: none)."""
-    import json
-
-    out = tmp / f"sequence_parallel_{sp}.json"
-    out.write_text(json.dumps({"sequence_parallel_size": sp}) + "\n")
-    return str(out)
 
 
 def tp_fragment(tmp: Path, tp: int) -> str:
