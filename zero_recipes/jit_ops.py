@@ -241,7 +241,7 @@ def prepare(ds: dict) -> None:
 def _build(builder, state: State, say) -> None:
     why = "an earlier build did not finish" if state.started else "first run on this machine"
     took = BUILD_S.get(state.name)  # a resumed build keeps the objects it finished: at most this long
-    eta = f"{'up to ' if state.started else ''}about {took} s on 2 CPU cores" if took else "a few minutes"
+    eta = f"{'up to ' if state.started else ''}about {took} s on a quiet 2-core CPU" if took else "a few minutes"
     say(f"building DeepSpeed op {state.name} in {state.folder} ({why}; {eta})...")
     start = time.time()
     builder.load(verbose=False)
@@ -273,7 +273,10 @@ def _clear(state: State) -> bool:
 
 def _waiting_line(state: State, quiet_s: float) -> str:
     if state.builders:
-        return f"waiting for {', '.join(state.builders)} building DeepSpeed op {state.name} in {state.folder}"
+        who = ", ".join(state.builders[:2]) + (
+            f" and {len(state.builders) - 2} more" if len(state.builders) > 2 else ""
+        )
+        return f"waiting for {who} building DeepSpeed op {state.name} in {state.folder}"
     return (
         f"waiting on {state.folder}/lock: no process on this machine holds it, so another machine may be building "
         f"DeepSpeed op {state.name} there (last change {state.quiet_s:.0f} s ago; giving up after "
