@@ -43,6 +43,9 @@ from .ds_config import offloads
 
 QUIET_S = 600.0  # a folder unchanged this long is not being built: one compile step (nvcc, many archs) is shorter
 POLL_S = 0.5
+# torch takes the baton at every first load in a process, built or not, to let ninja check the build: another
+# rank holds it for a fraction of a second at every launch. A wait is said once it lasts, then every minute.
+SAY_AFTER_S = 3.0
 SAY_EVERY_S = 60.0
 
 # Measured on a 2-core Xeon shared with other jobs (the ninja logs of a fresh ~/.cache/torch_extensions/py311_cpu);
@@ -192,7 +195,7 @@ def stale_line(state: State) -> str:
 def settle(builders: list, say=print, quiet_s: float = QUIET_S) -> None:
     """The deciding process: leave every op built, or raise ConfigError for a lock it cannot tell is stale."""
     for builder in builders:
-        folder, said = build_folder(builder), 0.0
+        folder, since, said = build_folder(builder), time.time(), 0.0
         while (what := action(state := observe(folder, builder.name), quiet_s)) != "ready":
             if what == "build":
                 _build(builder, state, say)
@@ -206,7 +209,7 @@ def settle(builders: list, say=print, quiet_s: float = QUIET_S) -> None:
             elif what == "stale":
                 raise ConfigError(stale_line(state))
             else:
-                if time.time() - said >= SAY_EVERY_S:
+                if time.time() - since >= SAY_AFTER_S and time.time() - said >= SAY_EVERY_S:
                     said = time.time()
                     say(_waiting_line(state, quiet_s))
                 time.sleep(POLL_S)

@@ -93,6 +93,7 @@ def test_a_lock_a_live_builder_holds_is_waited_for_not_removed(ext, monkeypatch)
     """This process takes the lock as torch's FileBaton does (O_EXCL, the descriptor kept open): the check names
     it and waits, and carries on once the build ends."""
     monkeypatch.setattr(jit_ops, "POLL_S", 0.05)
+    monkeypatch.setattr(jit_ops, "SAY_AFTER_S", 0.2)  # 3 s in a run: a rank's routine load holds it for less
     builder = shm_op()
     folder = plant(builder, built=False)
     fd = os.open(folder / "lock", os.O_CREAT | os.O_EXCL)
