@@ -1,6 +1,7 @@
 """tools/estimate_memory.py --table as a user reads it, in this process: only the GPU counts asked for, 120
 columns unless --wide, the precision in the first line, progress while it searches, bad table options refused in
-one line. (What the table recommends, its TP columns and the longest sequence's figures are checked in
+one line. It launches nothing, but its tables take 25 s of tracing, too long for the unit tier's minute. (What
+the table recommends, its TP columns and the longest sequence's figures are checked in
 tests/integration/test_estimate_memory.py; the time of an 8B table is measured in docs/memory.md, not here.)"""
 
 import json
