@@ -33,7 +33,8 @@ class Case:
     args: tuple  # train.py's arguments; "{tmp}" is the row's own folder, "{port}" a port held by another job
     says: tuple  # fragments the error line must hold
     files: dict = field(default_factory=dict)  # the user's files: path under {tmp} -> text ("" + "/" = a folder)
-    runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1), "export_hf"
+    runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1), or a tool
+
     damaged_run: bool = False  # {tmp}/run is a copy of a finished ZeRO-2 run, each checkpoint cut short
 
 
@@ -57,6 +58,8 @@ CASES = [
          files={"both.json": '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}'}),
     Case("flash_attention_2 without flash-attn, dry run", ("--attn_implementation", "flash_attention_2", "--dry_run"),
          ("flash_attention_2 cannot be used", "--attn_implementation sdpa")),
+    Case("flex_attention on a CPU", ("--attn_implementation", "flex_attention", "--dry_run"),
+         ("flex_attention cannot train on cpu",)),
     Case("block size above max positions", (*ZERO2, "--block_size", "4096", "--dry_run"),
          ("block_size 4096 exceeds the model's max_position_embeddings 1024",)),
     Case("nvme path missing", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json",
@@ -89,6 +92,13 @@ CASES = [
          ("step-8 is damaged", "(truncated)"), damaged_run=True),
     Case("export_hf of a damaged checkpoint", ("{tmp}/run/checkpoints/step-8", "{tmp}/exported"),
          ("step-8 is damaged", "(truncated)"), damaged_run=True, runner="export_hf"),
+    # ---- the memory estimator's table ----------------------------------------------------------------
+    Case("estimator table without a GPU size", ("--model", "recipes/configs/llama-3.1-8b.json", "--num_gpus", "8",
+                                                "--table"),
+         ("--table needs --gpu_memory",), runner="estimate_memory"),
+    Case("estimator table with bad GPU counts", ("--model", "recipes/configs/llama-3.1-8b.json", "--table",
+                                                 "--gpu_memory", "80GiB", "--table_gpus", "1,x"),
+         ("--table_gpus takes GPU counts per node like 1,8,64",), runner="estimate_memory"),
     # ---- launching -----------------------------------------------------------------------------------
     Case("rendezvous port held by another job", (*ZERO2, "--max_steps", "1"),
          ("the rendezvous address 127.0.0.1:{port} is already in use (another job on this machine?)",
@@ -107,8 +117,8 @@ def tree(root) -> dict:
 def error_line(case: Case, args: list[str], port: int) -> str:
     if case.runner == "in-process":
         return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
-    if case.runner == "export_hf":
-        proc = tool_in_process("export_hf", *args)
+    if case.runner in ("export_hf", "estimate_memory"):
+        proc = tool_in_process(case.runner, *args)
     elif case.runner == "process":
         proc = run_train(*args)
     else:
@@ -138,10 +148,19 @@ def flash_attn_installed() -> bool:
     return is_flash_attn_2_available()
 
 
+def on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+# rows that are bad input only where the machine lacks what they ask for
+WHERE = {"flash_attention_2": (flash_attn_installed, "flash-attn is installed"),
+         "flex_attention": (lambda: not on_cpu(), "flex_attention trains on this accelerator")}  # fmt: skip
 ROWS = [
-    pytest.param(c, id=c.name, marks=pytest.mark.skipif(flash_attn_installed(), reason="flash-attn is installed"))
-    if "flash_attention_2" in c.args
-    else pytest.param(c, id=c.name)
+    pytest.param(
+        c, id=c.name, marks=[pytest.mark.skipif(WHERE[a][0](), reason=WHERE[a][1]) for a in c.args if a in WHERE]
+    )
     for c in CASES
 ]
 
@@ -157,7 +176,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, traine
     if case.damaged_run:
         launched = damaged_copy(trained("zero2", "fp32").check(), tmp_path / "run")
         args = args if case.runner == "export_hf" else launched + args
-    if "--output_dir" not in args and case.runner != "export_hf":
+    if "--output_dir" not in args and case.runner in ("in-process", "process", "launcher"):
         args += ["--output_dir", str(tmp_path / "run")]  # never the repository's outputs/
     before = tree(tmp_path)
     if case.runner == "launcher":
