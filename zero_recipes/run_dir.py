@@ -20,13 +20,14 @@ from .config import ConfigError
 
 RUN_CONFIG = "run_config.json"
 MANIFEST = "run_files.json"  # the top-level entries this project wrote; only these may ever be removed
+DS_CONFIG = "ds_config.json"  # the resolved DeepSpeed config the run trained with
 
 # What a run writes at the top of output_dir besides the export: its config, metrics, trackers, checkpoints
 # and tools/plot_metrics.py's default folder. wandb/ is never removed: an offline W&B run may not be synced.
 RUN_ENTRIES = (
     MANIFEST,
     RUN_CONFIG,
-    "ds_config.json",
+    DS_CONFIG,
     "metrics.jsonl",
     "checkpoints",
     "tensorboard",
@@ -62,18 +63,26 @@ def may_write(name: str) -> bool:
     return name in RUN_ENTRIES or any(fnmatch(name, p) for p in EXPORT_PATTERNS)
 
 
+def recorded(output_dir: Path) -> Optional[set]:
+    """The names the manifest lists; None without a manifest, and none at all when it cannot be read (own
+    nothing rather than risk a user's file)."""
+    manifest = output_dir / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        return set(json.loads(manifest.read_text())["written"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return set()
+
+
 def our_entries(output_dir: Path) -> list[str]:
     """The top-level entries of output_dir this project wrote. A run from before the manifest existed is
     taken to own only the names it may write (its run_config.json and ds_config.json say a run was there)."""
     names = sorted(os.listdir(output_dir)) if output_dir.is_dir() else []
-    manifest = output_dir / MANIFEST
-    if manifest.is_file():
-        try:
-            ours = set(json.loads(manifest.read_text())["written"]) | {MANIFEST}
-        except (json.JSONDecodeError, KeyError, TypeError):
-            ours = set()  # unreadable: own nothing rather than risk a user's file
-        return [n for n in names if n in ours]
-    if (output_dir / RUN_CONFIG).is_file() and (output_dir / "ds_config.json").is_file():
+    ours = recorded(output_dir)
+    if ours is not None:
+        return [n for n in names if n in ours | {MANIFEST}]
+    if (output_dir / RUN_CONFIG).is_file() and (output_dir / DS_CONFIG).is_file():
         return [n for n in names if may_write(n)]
     return []
 
@@ -86,12 +95,7 @@ def user_entries(output_dir: Path) -> list[str]:
 
 def record(output_dir: Path, names) -> None:
     """Add NAMES to the manifest (rank 0)."""
-    manifest = output_dir / MANIFEST
-    try:
-        written = set(json.loads(manifest.read_text())["written"]) if manifest.is_file() else set()
-    except (json.JSONDecodeError, KeyError, TypeError):
-        written = set()
-    write_manifest(output_dir, written | set(names))
+    write_manifest(output_dir, (recorded(output_dir) or set()) | set(names))
 
 
 def write_manifest(output_dir: Path, names) -> None:
@@ -197,7 +201,7 @@ def clear_previous_run(output_dir: Path) -> None:
 
 def write_run_config(output_dir: Path, signature: dict, ds_config: dict) -> None:
     (output_dir / RUN_CONFIG).write_text(json.dumps(signature, indent=2, sort_keys=True))
-    (output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    (output_dir / DS_CONFIG).write_text(json.dumps(ds_config, indent=2))
 
 
 def start_run(plan, rank: int) -> None:
