@@ -205,6 +205,23 @@ def export_diff(run) -> float:
     return next(r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r)
 
 
+def train_args(run) -> list[str]:
+    """The command line a run was launched with: what relaunching "the same command" repeats."""
+    args = list(run.proc.args)
+    return args[args.index("train.py") + 1 : args.index("--output_dir")]
+
+
+def file_tree(root) -> dict:
+    """Every file and folder under root, each file with its checksum: what "nothing of the user's changed"
+    compares before and after."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(Path(root).rglob("*"))
+    }
+
+
 def at_step_4(run_dir, dest):
     """A copy of a finished 8-step run as it was right after its step-4 checkpoint."""
     import shutil

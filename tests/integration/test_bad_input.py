@@ -9,7 +9,6 @@ A refusal that needs prepared data, a rendezvous or a checkpoint runs as a proce
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from helpers import REPO, dry_run_in_process, free_port, refusal, run_train, tool_in_process
+from helpers import REPO, dry_run_in_process, file_tree, free_port, refusal, run_train, tool_in_process, train_args
 
 ZERO2 = ("--deepspeed", "ds_configs/zero2.json")
 TINY_VOCAB = (
@@ -106,14 +105,6 @@ CASES = [
 ]  # fmt: skip
 
 
-def tree(root) -> dict:
-    """Every file and folder under root, with each file's checksum."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        for p in sorted(root.rglob("*"))
-    }
-
-
 def error_line(case: Case, args: list[str], port: int) -> str:
     if case.runner == "in-process":
         return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
@@ -138,8 +129,7 @@ def damaged_copy(run, dest):
     for step in (dest / "checkpoints").glob("step-*"):
         shard = step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
         os.truncate(shard, shard.stat().st_size // 2)
-    args = list(run.proc.args)
-    return args[args.index("train.py") + 1 : args.index("--output_dir")]
+    return train_args(run)
 
 
 def flash_attn_installed() -> bool:
@@ -178,7 +168,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, traine
         args = args if case.runner == "export_hf" else launched + args
     if "--output_dir" not in args and case.runner in ("in-process", "process", "launcher"):
         args += ["--output_dir", str(tmp_path / "run")]  # never the repository's outputs/
-    before = tree(tmp_path)
+    before = file_tree(tmp_path)
     if case.runner == "launcher":
         with socket.socket() as held:  # another job's rendezvous on this machine
             held.bind(("127.0.0.1", port))
@@ -189,7 +179,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, traine
     assert line.startswith("error: ") and "\n" not in line
     for fragment in case.says:
         assert fragment.replace("{port}", str(port)) in line, line
-    assert tree(tmp_path) == before  # byte for byte, and nothing created (no output dir, no cache)
+    assert file_tree(tmp_path) == before  # byte for byte, and nothing created (no output dir, no cache)
 
 
 def test_dry_run_warns_what_this_machine_cannot_train(tmp_path):

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from helpers import CONFIGS, FAST, launch, refusal, step_losses, tool_in_process
+from helpers import CONFIGS, FAST, launch, refusal, step_losses, tool_in_process, train_args
 from zero_recipes.checkpoint import damage, resolve_resume
 from zero_recipes.shipped import TENSOR_PARALLEL
 
@@ -65,12 +65,6 @@ def runs(trained, tmp_path_factory):
         return made[layout]
 
     return get
-
-
-def train_args(run) -> list[str]:
-    """The command line a run was launched with: what relaunching "the same command" repeats."""
-    args = list(run.proc.args)
-    return args[args.index("train.py") + 1 : args.index("--output_dir")]
 
 
 def damaged_copy(run, tmp_path, layout: str, how: str):

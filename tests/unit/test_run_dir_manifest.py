@@ -1,9 +1,8 @@
 """What --overwrite_output_dir may remove: only the entries a run recorded in run_files.json (run_dir.py)."""
 
-import hashlib
-
 import pytest
 
+from helpers import file_tree
 from zero_recipes import run_dir
 from zero_recipes.config import ConfigError
 
@@ -30,10 +29,6 @@ EXPORT_NAMES = [
     "metrics.jsonl",
     "checkpoints",
 ]
-
-
-def checksums(d):
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in d.rglob("*") if p.is_file()}
 
 
 def a_finished_run(out, user_files=("notes.txt",)):
@@ -63,14 +58,14 @@ def test_a_user_file_under_a_name_the_run_writes_is_refused_with_or_without_over
         (target / "mine.bin").write_bytes(b"x")
     else:
         target.write_text('{"a": 1}')
-    before = checksums(out)
+    before = file_tree(out)
     for overwrite in (True, False):
         with pytest.raises(ConfigError) as e:
             run_dir.check_output_dir(out, SIGNATURE, overwrite, None)
         assert "\n" not in str(e.value)
         if overwrite:
             assert name in str(e.value) and "did not write" in str(e.value)
-    assert checksums(out) == before
+    assert file_tree(out) == before
 
 
 def test_overwrite_removes_only_what_the_run_recorded(tmp_path):
@@ -83,10 +78,10 @@ def test_overwrite_removes_only_what_the_run_recorded(tmp_path):
     with pytest.raises(ConfigError, match="different run"):
         run_dir.check_output_dir(out, other, False, None)
     assert run_dir.check_output_dir(out, other, True, None) is None
-    mine = {k: v for k, v in checksums(out).items() if k.split("/")[0] in ("data", "my_eval.py", "notes.txt")}
+    mine = {k: v for k, v in file_tree(out).items() if k.split("/")[0] in ("data", "my_eval.py", "notes.txt")}
     run_dir.clear_previous_run(out)
     assert sorted(p.name for p in out.iterdir()) == ["data", "my_eval.py", "notes.txt", "run_files.json", "wandb"]
-    assert {k: v for k, v in checksums(out).items() if k != "run_files.json"} == mine  # byte for byte
+    assert {k: v for k, v in file_tree(out).items() if k not in ("run_files.json", "wandb")} == mine  # byte for byte
     (out / "config.json").write_text("mine now")  # a name the cleared run no longer owns
     assert "config.json" in run_dir.user_entries(out)
 
