@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from . import lr_schedule
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BUILTIN_DATASET = "builtin:python-docstrings"
@@ -256,10 +258,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--learning_rate must be > 0, got {cfg.learning_rate}")
     if not 0 <= cfg.validation_split_percentage < 100:
         raise ConfigError(f"--validation_split_percentage must be in [0, 100), got {cfg.validation_split_percentage}")
-    if cfg.lr_scheduler_type not in ("cosine", "linear", "constant_with_warmup", "constant"):
+    if cfg.lr_scheduler_type not in lr_schedule.NAMES:
         raise ConfigError(
-            f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; "
-            "use cosine, linear, constant_with_warmup or constant"
+            f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; use {', '.join(lr_schedule.NAMES)}"
         )
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")

@@ -1,13 +1,14 @@
 """The DeepSpeed engine: optimizer, LR schedule and `deepspeed.initialize`.
 
 When the DeepSpeed config has its own `optimizer`/`scheduler` blocks, DeepSpeed builds them (with the
-"auto"s already filled). Otherwise, as the HF Trainer does, we build AdamW and a transformers schedule:
+"auto"s already filled). Otherwise, as the HF Trainer does, we build AdamW and the HF Trainer's schedule (lr_schedule.py):
 torch AdamW (fused on CUDA) is bitwise-resumable; with optimizer offload DeepSpeed requires its C++
 DeepSpeedCPUAdam, which is fast but recomputes beta^t differently after a reload (1-ULP drift, measured).
 """
 
 from __future__ import annotations
 
+from . import lr_schedule
 from .config import TrainConfig
 from .ds_config import offloads, warmup_steps
 
@@ -41,13 +42,11 @@ def make_scheduler(cfg: TrainConfig, ds: dict, total_steps: int):
     """A callable DeepSpeed applies to the optimizer it ends up with (its own or ours)."""
     if "scheduler" in ds:
         return None
-    from transformers import get_scheduler
-
     warmup = warmup_steps(cfg, total_steps)
     name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" and warmup else cfg.lr_scheduler_type
 
     def build(optimizer):
-        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+        return lr_schedule.build(name, optimizer, warmup, total_steps)
 
     return build
 

@@ -11,6 +11,9 @@ as they are imported, and only when asked (tests/helpers.fault_env):
                                              DeepSpeed files are written and `latest` has not moved, the moment a
                                              kill is most dangerous. after_save: the checkpoint is complete, as
                                              when a job dies between saves.
+    ZERO_RECIPES_TEST_PROCESS_LOG=FILE       each process appends one JSON line at exit: the test that started it
+                                             (PYTEST_CURRENT_TEST), its command, CPU and wall seconds. Where the
+                                             suite's time goes, process by process (docs/tests.md).
 """
 
 import importlib.abc
@@ -21,6 +24,23 @@ import sys
 NAN_AT_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))
 KILL = os.environ.get("ZERO_RECIPES_TEST_KILL", "")
 PORTS = os.environ.get("ZERO_RECIPES_TEST_PORTS", "")
+PROCESS_LOG = os.environ.get("ZERO_RECIPES_TEST_PROCESS_LOG", "")
+
+
+def _log_process(started: float) -> None:
+    import json
+    import time
+
+    cpu = os.times()
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "argv": sys.argv[:3],
+        "rank": os.environ.get("RANK"),
+        "cpu_s": round(cpu.user + cpu.system, 2),
+        "wall_s": round(time.time() - started, 2),
+    }
+    with open(PROCESS_LOG, "a") as f:  # one short write per line: appends from many processes stay whole
+        f.write(json.dumps(line) + "\n")
 
 
 def _kill_if(where: str, step: int) -> None:
@@ -91,6 +111,18 @@ def _patch_ports(module) -> None:
     module.free_port = lambda span=None: free_port(span or PORTS)
 
 
+if PROCESS_LOG:
+    import atexit
+    import time
+
+    _started, _exit = time.time(), os._exit
+    atexit.register(_log_process, _started)
+
+    def _log_and_exit(code):  # train.py leaves with os._exit (distributed.finish), which skips atexit
+        _log_process(_started)
+        _exit(code)
+
+    os._exit = _log_and_exit
 if PORTS:
     sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed", _patch_ports))
 if NAN_AT_STEP or KILL.startswith("in_save:"):
