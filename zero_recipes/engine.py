@@ -80,11 +80,33 @@ def import_muon_uncompiled_unless_used(ds: dict) -> None:
             os.environ["TORCHDYNAMO_DISABLE"] = before
 
 
+def ask_cpuinfo_once() -> None:
+    """DeepSpeedCPUAdam (optimizer offload) asks py-cpuinfo for the CPU three times as it starts: its __init__,
+    then its op's build flags (op_builder cpu_arch and simd_width, even when the op is already built). Each
+    `cpuinfo.get_cpu_info()` starts a fresh Python interpreter to read it (1.3 s here), one after another on
+    every rank. The CPU does not change within a process: the first answer is kept, and each caller gets its
+    own copy."""
+    import functools
+
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "asked_once", False):
+        return
+    first = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict:
+        return dict(first())
+
+    get_cpu_info.asked_once = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
     """`mpu`: parallel.Mesh.deepspeed_mpu() under tensor parallelism, else None."""
     import deepspeed
 
     import_muon_uncompiled_unless_used(ds)
+    ask_cpuinfo_once()
     optimizer = make_optimizer(cfg, model, ds)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

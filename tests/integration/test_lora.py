@@ -127,11 +127,11 @@ def test_lora_resumes_bit_for_bit(lora_run, base, name, tmp_path):
     full = lora_run(name).check()
     out = tmp_path / "run"
     args = FAST + ["--deepspeed", *CONFIGS[name], "--model_name_or_path", str(base)] + LORA
-    killed = launch(args, out, env=fault_env(kill="after_save:4:1"))
+    killed = launch(args, out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step-4"
     assert not (out / "adapter_model.safetensors").exists()
-    resumed = launch(args, out).check()
+    resumed = launch(args, out, launcher="torchrun").check()
     assert "resume: loaded" in resumed.log and "step-4 at step 4" in resumed.log
     got, want = step_losses(resumed), step_losses(full)
     assert sorted(got) == list(range(1, 9))
@@ -213,29 +213,23 @@ def test_resuming_with_other_lora_settings_or_another_world_size_is_refused(lora
 
 def test_export_tool_and_generate_take_a_lora_run(lora_run, tmp_path):
     """tools/export_hf.py turns the LoRA checkpoint into the adapter train.py exported (or a merged model);
-    tools/generate.py samples from the adapter directory."""
-    import subprocess
-    import sys
-
+    tools/generate.py samples from the adapter directory. In this process (helpers.tool_in_process): that
+    both tools' exit codes and lines reach the shell is test_export_tool.py's and test_plot_and_generate.py's."""
     from safetensors.torch import load_file
 
-    from helpers import REPO
+    from helpers import tool_in_process
 
     run = lora_run("zero3").check()
-
-    def tool(*args):
-        return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    adapter = tool("tools/export_hf.py", str(run.output_dir), str(tmp_path / "adapter"))
+    adapter = tool_in_process("export_hf", run.output_dir, tmp_path / "adapter")
     assert adapter.returncode == 0 and "PeftModel.from_pretrained" in adapter.stdout, adapter.stderr[-2000:]
     want, got = (
         load_file(run.output_dir / "adapter_model.safetensors"),
         load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
     )
     assert sorted(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
-    merged = tool("tools/export_hf.py", str(run.output_dir), str(tmp_path / "merged"), "--merge")
+    merged = tool_in_process("export_hf", run.output_dir, tmp_path / "merged", "--merge")
     assert merged.returncode == 0 and (tmp_path / "merged" / "model.safetensors").is_file(), merged.stderr[-2000:]
-    text = tool("tools/generate.py", str(run.output_dir), "Return the", "--max_new_tokens", "8")
+    text = tool_in_process("generate", run.output_dir, "Return the", "--max_new_tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr[-2000:]
 
 

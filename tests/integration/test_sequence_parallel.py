@@ -146,10 +146,10 @@ def test_resume_on_the_same_layout_is_bit_for_bit(name, sp_run, tmp_path):
 def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(sp_run, tmp_path):
     full = sp_run("sp2-zero1")
     out = tmp_path / "run"
-    killed = launch(sp_args("sp2-zero1"), out, env=fault_env(kill="after_save:4:1"))
+    killed = launch(sp_args("sp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0
-    again = launch(sp_args("sp2-zero1"), out).check()
+    again = launch(sp_args("sp2-zero1"), out, launcher="torchrun").check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close

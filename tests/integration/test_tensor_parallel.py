@@ -132,10 +132,10 @@ def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
 def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(tp_run, tmp_path):
     full = tp_run("tp2-zero1")
     out = tmp_path / "run"
-    killed = launch(tp_args("tp2-zero1"), out, env=fault_env(kill="after_save:4:1"))
+    killed = launch(tp_args("tp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0
-    again = launch(tp_args("tp2-zero1"), out).check()
+    again = launch(tp_args("tp2-zero1"), out, launcher="torchrun").check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
