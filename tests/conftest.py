@@ -60,6 +60,13 @@ def shared_runs(tmp_path_factory, worker_id):
     return SharedRuns((root.parent if worker_id != "master" else root) / "shared-runs")
 
 
+def baseline_launcher(name: str, precision: str) -> str:
+    """The quick start's run (ZeRO-3, fp32) under the `deepspeed` launcher, as the README gives it; the other
+    baselines' subject is their config, and torchrun starts the same ranks with the same bits 6 s sooner
+    (docs/tests.md#launchers). Resume tests compare one launcher's runs with the other's, exactly."""
+    return "deepspeed" if (name, precision) == ("zero3", "fp32") else "torchrun"
+
+
 @pytest.fixture(scope="session")
 def trained(shared_runs):
     """Each (config, precision) trained once per pytest invocation; the parity tests reuse the runs."""
@@ -74,7 +81,10 @@ def trained(shared_runs):
 
         # a checkpoint at step 4 too, so resume tests can start from these runs' middle
         args = FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision], "--verify_export", "--save_steps", "4"]
-        return shared_runs.get(f"{name}-{precision}", args, prepare=nvme_dir if "nvme" in name else None)
+        prepare = nvme_dir if "nvme" in name else None
+        return shared_runs.get(
+            f"{name}-{precision}", args, launcher=baseline_launcher(name, precision), prepare=prepare
+        )
 
     return get
 

@@ -11,8 +11,10 @@ import pytest
 
 from helpers import FAST, REPO, fault_env, free_port, launch, remove_shm
 
+# Long enough that a signal sent after step 12 (at ~8 steps/s here) lands before the run ends, with 6 saves
+STEPS = 30
 ARGS = [a for a in FAST] + ["--deepspeed", "ds_configs/zero2.json"]
-ARGS[ARGS.index("--max_steps") + 1] = "60"
+ARGS[ARGS.index("--max_steps") + 1] = str(STEPS)
 ARGS[ARGS.index("--save_steps") + 1] = "5"
 
 
@@ -79,7 +81,7 @@ def test_preemption_saves_at_the_step_boundary_and_exits_cleanly(how, tmp_path):
     assert line.startswith(f"stop requested ({said}): checkpoint saved at"), line
     assert "Resume by launching the same command" in line
     step = int(latest(out).split("-")[1])
-    assert 3 <= step < 60 and f"step-{step}" in line
+    assert 3 <= step < STEPS and f"step-{step}" in line
     assert not (out / "model.safetensors").exists()  # not finished, so not exported
     if how == "Ctrl-C":  # the launcher exits 1 on its own SIGINT, whatever the ranks did; resuming is as below
         # DeepSpeed's own runner prints a KeyboardInterrupt traceback of its wait() (runner.py, 0.19.8);
@@ -91,7 +93,7 @@ def test_preemption_saves_at_the_step_boundary_and_exits_cleanly(how, tmp_path):
     # launching the same command again continues from that checkpoint and finishes
     again = launch(ARGS, out).check()
     assert f"resume: loaded {out / 'checkpoints' / f'step-{step}'} at step {step}" in again.log
-    assert [r["step"] for r in again.records if "loss" in r][-1] == 60
+    assert [r["step"] for r in again.records if "loss" in r][-1] == STEPS
 
 
 def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
@@ -111,7 +113,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
     again = launch(ARGS + ["--resume_from_checkpoint", "auto"], out).check()
     assert f"at step {done}" in again.log
     # each step once in metrics.jsonl: the steps the dead launch logged after its checkpoint are replaced
-    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, 61))
+    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, STEPS + 1))
 
 
 def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
@@ -123,7 +125,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     assert latest(out) == "step-5"  # never the partial one
     again = launch(ARGS, out).check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-5'} at step 5" in again.log
-    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, 61))
+    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, STEPS + 1))
 
 
 def test_a_nan_loss_stops_with_the_step_and_saves_no_nan_checkpoint(tmp_path):

@@ -1,5 +1,6 @@
-"""Every shipped DeepSpeed config trains for real (2 CPU ranks, the deepspeed launcher), the loss falls,
-and every ZeRO stage computes the same losses as plain data parallel from the same seed."""
+"""Every shipped DeepSpeed config trains for real (2 CPU ranks; the quick start's ZeRO-3 under the deepspeed
+launcher, the rest under torchrun: conftest.baseline_launcher), the loss falls, and every ZeRO stage computes
+the same losses as plain data parallel from the same seed."""
 
 import pytest
 
@@ -23,7 +24,7 @@ def test_config_trains_and_loss_falls(trained, name, precision):
     losses = run.losses
     assert len(losses) == 8, run.log[-3000:]
     assert sum(losses[-2:]) / 2 < losses[0] - 0.5, f"loss did not fall: {losses}"
-    assert "1 thread(s) per rank" in run.log  # OMP_NUM_THREADS was unset, as under the deepspeed launcher
+    assert "1 thread(s) per rank" in run.log  # under the deepspeed launcher OMP_NUM_THREADS was unset
     # export: the reloaded HF model reproduces the engine's logits
     diff = [r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r]
     assert diff and diff[0] <= EXPORT_TOL[precision], diff
