@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+import file_seconds
 from helpers import CONFIGS, FAST, INJECT, PRECISIONS, SFT, SFT_ZERO0_BATCH, aio_available
 from shared_runs import SharedRuns
 
@@ -23,6 +24,13 @@ PORTS = tuple(int(x) for x in os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE", "12
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini): one worker per 2 cores, and never fewer than 2."""
     return max(2, len(os.sched_getaffinity(0)) // CORES_PER_WORKER)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (file_seconds.py), each file's tests in their own order; pytest.ini's
+    --no-loadscope-reorder makes pytest-xdist hand files out in this order."""
+    table = file_seconds.measured()
+    items.sort(key=lambda item: -file_seconds.seconds(item.nodeid.split("::")[0], table))
 
 
 def pytest_configure(config):
