@@ -18,6 +18,7 @@ from helpers import (
     refusal,
     remove_shm,
     run_train,
+    tool_in_process,
 )
 
 # The bound the full-parameter parity test uses (tests/integration/test_train_configs.py)
@@ -216,8 +217,6 @@ def test_export_tool_and_generate_take_a_lora_run(lora_run, tmp_path):
     tools/generate.py samples from the adapter directory. In this process (helpers.tool_in_process): that
     both tools' exit codes and lines reach the shell is test_export_tool.py's and test_plot_and_generate.py's."""
     from safetensors.torch import load_file
-
-    from helpers import tool_in_process
 
     run = lora_run("zero3").check()
     adapter = tool_in_process("export_hf", run.output_dir, tmp_path / "adapter")

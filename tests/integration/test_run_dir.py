@@ -38,8 +38,8 @@ def test_different_run_is_refused_unless_overwrite(tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "data").mkdir()
     (out / "data" / "train.jsonl").write_text('{"text": "mine"}\n')
-    over = ["--max_steps", "2", "--learning_rate", "1e-4", "--overwrite_output_dir"]
-    over = launch(FAST + ZERO2 + over, out, launcher="torchrun")
+    overwrite = ["--max_steps", "2", "--learning_rate", "1e-4", "--overwrite_output_dir"]
+    over = launch(FAST + ZERO2 + overwrite, out, launcher="torchrun")
     assert "resume: loaded" not in over.check().log
     assert "output_dir: 2 entries this project did not write stay untouched: data, notes.txt" in over.log
     assert (out / "data" / "train.jsonl").read_text() == '{"text": "mine"}\n'
