@@ -70,9 +70,10 @@ def shared_runs(tmp_path_factory, worker_id):
 
 def baseline_launcher(name: str, precision: str) -> str:
     """The quick start's run (ZeRO-3, fp32) under the `deepspeed` launcher, as the README gives it; the other
-    baselines' subject is their config, and torchrun starts the same ranks with the same bits 6 s sooner
+    baselines' subject is their config: torchrun's agent starts them as ranks forked from a preloaded
+    forkserver, with the same bits and without each rank importing torch, transformers and DeepSpeed again
     (docs/tests.md#launchers). Resume tests compare one launcher's runs with the other's, exactly."""
-    return "deepspeed" if (name, precision) == ("zero3", "fp32") else "torchrun"
+    return "deepspeed" if (name, precision) == ("zero3", "fp32") else "forked"
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +105,6 @@ def sft_zero0(shared_runs):
 
     def get(packing: str):
         args = FAST + ["--deepspeed", *CONFIGS["zero0"], *SFT, "--packing", packing, *SFT_ZERO0_BATCH]
-        return shared_runs.get(f"sft-zero0-packing-{packing}", args, launcher="torchrun")
+        return shared_runs.get(f"sft-zero0-packing-{packing}", args, launcher="forked")
 
     return get

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import forked_launch
 from zero_recipes import distributed, shipped
 from zero_recipes.bench.common import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
 
@@ -96,14 +97,13 @@ def launch(
     timeout: int = 600,
     env: dict | None = None,
 ) -> Run:
-    """train.py ARGS --output_dir OUTPUT_DIR under a real launcher. The `deepspeed` launcher, the one the README
-    gives, is the default: it runs the shared baselines (every shipped config, both precisions), the faults and
-    kills, the recipes, the brought configs and the refusals that must reach the shell. Runs whose subject is a
-    mode rather than the launcher (parity, resume from a copied checkpoint, universal resume, SFT) pass
-    launcher="torchrun": the same ranks with the same environment and the same bits (their losses equal the
-    deepspeed launcher's bit for bit, and the kill tests compare one with the other), 3.4 s sooner per launch
-    (8 steps on 2 ranks: 7.6 s against 11.0 s on a quiet 2-core Xeon), since the deepspeed launcher imports
-    DeepSpeed in two processes of its own and polls its ranks once a second."""
+    """train.py ARGS --output_dir OUTPUT_DIR launched as docs/tests.md#launchers says. "deepspeed" (the default,
+    the README's launcher) runs the quick start's baseline, the faults and kills, the recipes through it, the
+    multi-node recipe and the refusals that must reach the shell. "forked" runs those whose subject is a config
+    or a mode: torchrun's agent in this process, ranks forked from a forkserver that has imported torch,
+    transformers and DeepSpeed once per worker (tests/forked_launch.py), the same bits as the torchrun command.
+    "torchrun" is the command itself, for runs whose faults or environment are read at interpreter start.
+    "python" is one process."""
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
@@ -120,11 +120,14 @@ def launch(
         ]
     elif launcher == "python":
         cmd = [sys.executable, "train.py"]
-    else:
+    elif launcher != "forked":
         raise ValueError(launcher)
     full_env = dict(os.environ)
     full_env.pop("OMP_NUM_THREADS", None)  # as under the deepspeed launcher: train.py must set it
     full_env.update(env or {})
+    if launcher == "forked":
+        proc = forked_launch.launch([*args, "--output_dir", str(output_dir)], nproc, port, full_env, timeout)
+        return Run(proc, Path(output_dir), port)
     proc = subprocess.run(
         cmd + list(args) + ["--output_dir", str(output_dir)],
         cwd=REPO,
@@ -344,3 +347,19 @@ def tool_in_process(tool: str, *args) -> subprocess.CompletedProcess:
     finally:
         os.chdir(cwd)
     return subprocess.CompletedProcess([tool, *argv], code, out.getvalue(), err.getvalue())
+
+
+# ---- the benchmarks' smoke runs (tests/integration/test_benchmark_*.py) -------------------------------
+def benchmark(*args, timeout: int):
+    """`python tools/benchmark.py ARGS`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "tools/benchmark.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_quick(name: str, tmp_path, timeout: int):
+    """`tools/benchmark.py NAME --quick` into tmp_path; it must succeed and leave one dated JSON report."""
+    proc = benchmark(name, "--quick", "--out-dir", str(tmp_path), timeout=timeout)
+    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    [report] = list(tmp_path.glob(f"{name}-*.json"))
+    return report

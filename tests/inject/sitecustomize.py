@@ -116,7 +116,13 @@ if PROCESS_LOG:
     import time
 
     _started, _exit = time.time(), os._exit
-    atexit.register(_log_process, _started)
+    atexit.register(lambda: _log_process(_started))
+
+    def _restart_clock():  # a rank forked from the tests' forkserver (tests/forked_launch.py) starts now
+        global _started
+        _started = time.time()
+
+    os.register_at_fork(after_in_child=_restart_clock)
 
     def _log_and_exit(code):  # train.py leaves with os._exit (distributed.finish), which skips atexit
         _log_process(_started)

@@ -1,7 +1,7 @@
 """DeepSpeed JSONs in the shapes the HF docs, axolotl and LLaMA-Factory ship train unchanged: 2 steps on 2 CPU
-ranks, with their own key spellings (field names, "bfloat16", deprecated names). Under torchrun, the launcher
-LLaMA-Factory's CLI uses: the subject is the config, and every shipped config trains under the deepspeed launcher
-in test_train_configs.py."""
+ranks, with their own key spellings (field names, "bfloat16", deprecated names). Under torchrun's agent with
+forked ranks (docs/tests.md#launchers): the subject is the config; the quick start's config trains under the
+deepspeed launcher in test_train_configs.py."""
 
 import json
 
@@ -31,7 +31,7 @@ EXTRA = {"old-bfloat16-block": ["--bf16", "true"]}
 def test_brought_config_trains_unchanged(name, tmp_path):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(TRAINS[name], indent=2))
-    run = launch(["--deepspeed", str(path), *ARGS, *EXTRA.get(name, [])], tmp_path / "out", launcher="torchrun")
+    run = launch(["--deepspeed", str(path), *ARGS, *EXTRA.get(name, [])], tmp_path / "out", launcher="forked")
     run.check()
     assert len(run.losses) == 2, run.log[-3000:]
     assert "Traceback" not in run.log

@@ -61,7 +61,7 @@ def runs(trained, tmp_path_factory):
         if layout != "tp2-zero2":
             return trained(layout, "fp32").check()
         if layout not in made:
-            made[layout] = launch(TP_ARGS, tmp_path_factory.mktemp("tp2") / "run", launcher="torchrun").check()
+            made[layout] = launch(TP_ARGS, tmp_path_factory.mktemp("tp2") / "run", launcher="forked").check()
         return made[layout]
 
     return get
@@ -115,7 +115,7 @@ def test_the_same_command_again_resumes_bit_for_bit_from_the_newest_intact_check
     run = runs(layout)
     out, name = damaged_copy(run, tmp_path, layout, how)
     step8 = out / "checkpoints" / "step-8"
-    again = launch(train_args(run), out, launcher="torchrun").check()
+    again = launch(train_args(run), out, launcher="forked").check()
     assert f"resume: {step8} is damaged ({name} " in again.log
     assert "; using step-4, the newest intact checkpoint" in again.log
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log

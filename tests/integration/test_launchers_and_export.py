@@ -42,8 +42,8 @@ def test_zero3_export_holds_the_gathered_trained_weights(trained):
 def test_pretrained_weights_load_straight_into_zero3_partitions(trained, tmp_path):
     pretrained = trained("zero3", "fp32").check().output_dir  # an exported model is a pretrained model
     args = FAST + ["--max_steps", "2", "--model_name_or_path", str(pretrained)]
-    z3 = launch(args + ["--deepspeed", "ds_configs/zero3.json"], tmp_path / "z3", launcher="torchrun").check()
-    z0 = launch(args + ["--deepspeed", "ds_configs/zero0.json"], tmp_path / "z0", launcher="torchrun").check()
+    z3 = launch(args + ["--deepspeed", "ds_configs/zero3.json"], tmp_path / "z3", launcher="forked").check()
+    z0 = launch(args + ["--deepspeed", "ds_configs/zero0.json"], tmp_path / "z0", launcher="forked").check()
     held, total = (int(x) for x in z3.log.split("rank 0 holds ")[1].split(" parameters")[0].split(" of "))
     assert held <= total // 2 + 1000  # rank 0 never held the full model, only its partition
     assert abs(z3.losses[0] - z0.losses[0]) < 1e-5
@@ -54,7 +54,7 @@ def test_pretrained_weights_load_straight_into_zero3_partitions(trained, tmp_pat
 def test_other_architecture_from_inline_model_config(tmp_path):
     gpt2 = '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}'
     run = launch(
-        FAST + ["--model_config", gpt2, "--deepspeed", "ds_configs/zero3.json"], tmp_path / "gpt2", launcher="torchrun"
+        FAST + ["--model_config", gpt2, "--deepspeed", "ds_configs/zero3.json"], tmp_path / "gpt2", launcher="forked"
     ).check()
     assert run.losses[-1] < run.losses[0] - 0.5
     from transformers import AutoModelForCausalLM
@@ -110,7 +110,7 @@ def test_hf_trainer_config_works_unchanged(tmp_path):
     path = tmp_path / "hf_zero2.json"
     path.write_text(json.dumps(HF_TRAINER_ZERO2))
     run = launch(
-        FAST + ["--deepspeed", str(path), "--gradient_accumulation_steps", "2"], tmp_path / "hf", launcher="torchrun"
+        FAST + ["--deepspeed", str(path), "--gradient_accumulation_steps", "2"], tmp_path / "hf", launcher="forked"
     ).check()
     resolved = json.loads((run.output_dir / "ds_config.json").read_text())
     assert resolved["train_batch_size"] == 4 * 2 * 2

@@ -42,7 +42,7 @@ def lora_run(base, tmp_path_factory):
         if (name, precision) not in runs:
             out = tmp_path_factory.mktemp(f"lora-{name}-{precision}") / "run"
             args = FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision], "--model_name_or_path", str(base)]
-            runs[name, precision] = launch(args + LORA, out, launcher="torchrun")
+            runs[name, precision] = launch(args + LORA, out, launcher="forked")
         return runs[name, precision]
 
     return get
@@ -132,7 +132,7 @@ def test_lora_resumes_bit_for_bit(lora_run, base, name, tmp_path):
     remove_shm(killed.port)
     assert killed.proc.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step-4"
     assert not (out / "adapter_model.safetensors").exists()
-    resumed = launch(args, out, launcher="torchrun").check()
+    resumed = launch(args, out, launcher="forked").check()
     assert "resume: loaded" in resumed.log and "step-4 at step 4" in resumed.log
     got, want = step_losses(resumed), step_losses(full)
     assert sorted(got) == list(range(1, 9))
@@ -144,7 +144,7 @@ def test_merge_lora_writes_a_plain_model_with_the_engines_logits(base, tmp_path)
     from transformers import AutoModelForCausalLM
 
     args = FAST + ["--deepspeed", *CONFIGS["zero3"], "--model_name_or_path", str(base), *LORA, "--merge_lora"]
-    run = launch(args, tmp_path / "run", launcher="torchrun").check()
+    run = launch(args, tmp_path / "run", launcher="forked").check()
     assert "the adapter merged into its base" in run.log
     assert not (run.output_dir / "adapter_config.json").exists()
     assert export_diff(run) <= EXPORT_TOL["fp32"]
@@ -168,7 +168,7 @@ def test_lora_sft_packed_with_checkpointing_offload_and_bf16(base, tmp_path):
         "--modules_to_save",
         "lm_head",
     ]
-    run = launch(args, tmp_path / "run", launcher="torchrun").check()
+    run = launch(args, tmp_path / "run", launcher="forked").check()
     losses = run.losses
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0] - 1.0, losses
     assert export_diff(run) <= EXPORT_TOL["bf16"]
@@ -259,7 +259,7 @@ def test_qlora_trains_a_4bit_base_on_zero0_and_zero2_alike(base64, tmp_path):
     runs = {}
     for name in ("zero0", "zero2"):
         args = FAST + ["--deepspeed", *CONFIGS[name], "--model_name_or_path", str(base64), *LORA, "--load_in_4bit"]
-        runs[name] = launch(args, tmp_path / name, launcher="torchrun").check()
+        runs[name] = launch(args, tmp_path / name, launcher="forked").check()
     got, ref = runs["zero2"].losses, runs["zero0"].losses
     assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref)) <= FP32_TOL, (got, ref)
     # the reloaded adapter on a freshly quantised base: measured 4.1e-3 from the engine in fp32 (the adapter

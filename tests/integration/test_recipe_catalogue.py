@@ -23,7 +23,7 @@ from zero_recipes.shipped import ARCHITECTURES, SEQUENCE_PARALLEL, TENSOR_PARALL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
-# other 2-rank recipes under torchrun, whose subject is the recipe: docs/tests.md#launchers).
+# other 2-rank recipes forked under torchrun's agent, whose subject is the recipe: docs/tests.md#launchers).
 CATALOGUE = {
     "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
     "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
@@ -228,7 +228,7 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         ]
         assert fragments != recipe["deepspeed"], f"{name}: no tpN.json or spN.json fragment to shrink"
         args += ["--deepspeed", *fragments]
-    launcher = "python" if spec["nproc"] == 1 else "deepspeed" if "multinode" in name else "torchrun"
+    launcher = "python" if spec["nproc"] == 1 else "deepspeed" if "multinode" in name else "forked"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
     if tp > 1:
         dp = spec["nproc"] // tp

@@ -25,7 +25,7 @@ def test_relaunch_finishes_and_second_launch_uses_the_data_cache(tmp_path):
 
 def test_different_run_is_refused_unless_overwrite(tmp_path):
     out = tmp_path / "run"
-    launch(FAST + ZERO2 + ["--max_steps", "2"], out, launcher="torchrun").check()
+    launch(FAST + ZERO2 + ["--max_steps", "2"], out, launcher="forked").check()
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     refused = launch(FAST + ZERO2 + ["--max_steps", "2", "--learning_rate", "1e-4"], out)  # the shell's view
     assert refused.proc.returncode != 0
@@ -39,7 +39,7 @@ def test_different_run_is_refused_unless_overwrite(tmp_path):
     (out / "data").mkdir()
     (out / "data" / "train.jsonl").write_text('{"text": "mine"}\n')
     overwrite = ["--max_steps", "2", "--learning_rate", "1e-4", "--overwrite_output_dir"]
-    over = launch(FAST + ZERO2 + overwrite, out, launcher="torchrun")
+    over = launch(FAST + ZERO2 + overwrite, out, launcher="forked")
     assert "resume: loaded" not in over.check().log
     assert "output_dir: 2 entries this project did not write stay untouched: data, notes.txt" in over.log
     assert (out / "data" / "train.jsonl").read_text() == '{"text": "mine"}\n'
@@ -76,7 +76,7 @@ def test_a_killed_run_resumes_bit_for_bit(name, trained, tmp_path):
     killed = launch(args, tmp_path / "run", launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0 and (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-4"
-    resumed = launch(args, tmp_path / "run", launcher="torchrun").check()
+    resumed = launch(args, tmp_path / "run", launcher="forked").check()
     assert "resume: loaded" in resumed.log and "step-4 at step 4" in resumed.log
     got = {r["step"]: r["loss"] for r in resumed.records if "loss" in r}
     want = {r["step"]: r["loss"] for r in full.records if "loss" in r}

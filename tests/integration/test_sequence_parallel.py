@@ -65,7 +65,7 @@ def sp_run(tmp_path_factory):
         if name not in runs:
             out = tmp_path_factory.mktemp(name) / "run"
             runs[name] = launch(
-                sp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="torchrun"
+                sp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="forked"
             ).check()
         return runs[name]
 
@@ -100,7 +100,7 @@ def test_sft_matches_zero0_losses_eval_and_exact_match_packed_or_not(packing, sf
         FAST + ["--deepspeed", *CONFIGS["zero3"], SP2, *sft, "--per_device_train_batch_size", "4"]
         + ["--loss_tile_tokens", "50"],
         tmp_path / "sp",
-        launcher="torchrun",
+        launcher="forked",
     ).check()  # fmt: skip
     assert "loss: head and cross-entropy in tiles of 50 tokens" in sp.log
     got, want = step_losses(sp), step_losses(base)
@@ -114,7 +114,7 @@ def test_sft_matches_zero0_losses_eval_and_exact_match_packed_or_not(packing, sf
 def test_the_tiled_loss_equals_the_untiled_one_without_sp(trained, tmp_path):
     base = trained("zero2", "fp32").check()
     tiled = launch(
-        FAST + ["--deepspeed", *CONFIGS["zero2"], "--loss_tile_tokens", "48"], tmp_path / "t", launcher="torchrun"
+        FAST + ["--deepspeed", *CONFIGS["zero2"], "--loss_tile_tokens", "48"], tmp_path / "t", launcher="forked"
     ).check()
     assert "in tiles of 48 tokens" in tiled.log and "in tiles" not in base.log
     got, want = step_losses(tiled), step_losses(base)
@@ -125,10 +125,8 @@ def test_tiled_mlp_trains_to_the_same_losses_under_zero3(tmp_path):
     """TiledMLP in 2 tiles per layer (hidden 16, 32 tokens per rank), ZeRO-3 gathering the MLP's weights once
     per tile: the same losses as the plain MLP."""
     narrow = ["--model_config", json.dumps({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2})]
-    run = launch(
-        sp_args("sp2-zero3") + narrow + ["--tiled_mlp", "true"], tmp_path / "tiled", launcher="torchrun"
-    ).check()
-    plain = launch(sp_args("sp2-zero3") + narrow, tmp_path / "plain", launcher="torchrun").check()
+    run = launch(sp_args("sp2-zero3") + narrow + ["--tiled_mlp", "true"], tmp_path / "tiled", launcher="forked").check()
+    plain = launch(sp_args("sp2-zero3") + narrow, tmp_path / "plain", launcher="forked").check()
     assert "decoder MLPs run in tiles of 16 tokens" in run.log
     got, want = step_losses(run), step_losses(plain)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
@@ -138,7 +136,7 @@ def test_tiled_mlp_trains_to_the_same_losses_under_zero3(tmp_path):
 def test_resume_on_the_same_layout_is_bit_for_bit(name, sp_run, tmp_path):
     full = sp_run(name)
     out = at_step_4(full.output_dir, tmp_path / "run")
-    again = launch(sp_args(name) + ["--resume_from_checkpoint", "auto"], out, launcher="torchrun").check()
+    again = launch(sp_args(name) + ["--resume_from_checkpoint", "auto"], out, launcher="forked").check()
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
 
@@ -149,7 +147,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_fo
     killed = launch(sp_args("sp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0
-    again = launch(sp_args("sp2-zero1"), out, launcher="torchrun").check()
+    again = launch(sp_args("sp2-zero1"), out, launcher="forked").check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
@@ -168,7 +166,7 @@ def test_a_universal_resume_moves_to_another_layout(nproc, configs, words, sp_ru
     out = at_step_4(full.output_dir, tmp_path / "run")
     size = micro(nproc) if configs else ["--per_device_train_batch_size", "4"]
     args = FAST + ["--deepspeed", *CONFIGS["zero1"], *configs, *size, "--save_steps", "4"]
-    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=nproc, launcher="torchrun").check()
+    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=nproc, launcher="forked").check()
     assert words in run.log and "step-4-universal at step 4" in run.log
     got, want = step_losses(run), step_losses(full)
     assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
@@ -250,7 +248,7 @@ def test_bf16_packed_sft_trains_and_exports(tmp_path):
         *micro(2),
         *SFT[:6],
     ]  # SFT rows, no checkpointing
-    run = launch(args + ["--loss_tile_tokens", "50", "--verify_export"], tmp_path / "run", launcher="torchrun").check()
+    run = launch(args + ["--loss_tile_tokens", "50", "--verify_export"], tmp_path / "run", launcher="forked").check()
     got = step_losses(run)
     assert all(math.isfinite(x) for x in got.values()) and got[8] < got[1] - 0.5
     assert export_diff(run) <= 5e-2  # bf16: within a bf16 ulp of the logits (measured 0)

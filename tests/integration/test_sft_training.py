@@ -85,11 +85,11 @@ def test_resume_continues_with_the_uninterrupted_batches(kind, tmp_path):
         else ["--streaming", "--eval_steps", "0", "--validation_split_percentage", "0"]
     )
     args = FAST + ["--deepspeed", "ds_configs/zero1.json", "--max_steps", "6", "--save_steps", "3", *extra]
-    full = launch(args, tmp_path / "full", launcher="torchrun").check()
+    full = launch(args, tmp_path / "full", launcher="forked").check()
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(full.output_dir, resumed_dir)
     rewind(resumed_dir, 3)
-    resumed = launch(args, resumed_dir, launcher="torchrun").check()
+    resumed = launch(args, resumed_dir, launcher="forked").check()
     assert "resume: loaded" in resumed.log and "step-3" in resumed.log
     want, got = step_losses(full), step_losses(resumed)
     assert sorted(want) == list(range(1, 7)) and sorted(got) == list(range(1, 7))

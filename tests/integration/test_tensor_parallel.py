@@ -73,7 +73,7 @@ def tp_run(tmp_path_factory):
         if name not in runs:
             out = tmp_path_factory.mktemp(name) / "run"
             runs[name] = launch(
-                tp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="torchrun"
+                tp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="forked"
             ).check()
         return runs[name]
 
@@ -118,11 +118,11 @@ def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
     if family == "llama-tied":
         family, shape = "llama", {**shape, "tie_word_embeddings": True}
     model = ["--model_config", json.dumps({"model_type": family, **shape})]
-    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0", launcher="torchrun").check()
+    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0", launcher="forked").check()
     run = launch(
         FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(2), *model, "--verify_export"],
         tmp_path / "tp",
-        launcher="torchrun",
+        launcher="forked",
     ).check()
     got, want = step_losses(run), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
@@ -135,7 +135,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_fo
     killed = launch(tp_args("tp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
     remove_shm(killed.port)
     assert killed.proc.returncode != 0
-    again = launch(tp_args("tp2-zero1"), out, launcher="torchrun").check()
+    again = launch(tp_args("tp2-zero1"), out, launcher="forked").check()
     assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
@@ -144,7 +144,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_fo
 def test_zero3_tp_resumes_bit_for_bit_on_its_own_layout(tp_run, tmp_path):
     full = tp_run("tp2-zero3")
     out = at_step_4(full.output_dir, tmp_path / "run")
-    again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out, launcher="torchrun").check()
+    again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out, launcher="forked").check()
     got, want = step_losses(again), step_losses(full)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
 
@@ -153,7 +153,7 @@ def test_a_universal_resume_moves_to_more_data_parallel_replicas_at_the_same_tp(
     full = tp_run("tp2-zero1")  # 1 data-parallel x 2 tensor-parallel
     out = at_step_4(full.output_dir, tmp_path / "run")
     args = FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(4), "--save_steps", "4"]
-    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4, launcher="torchrun").check()
+    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4, launcher="forked").check()
     assert "saved by 1 data-parallel x 2 tensor-parallel rank(s) with ZeRO-1, this run has 2 data-parallel" in run.log
     assert "step-4-universal at step 4" in run.log
     got, want = step_losses(run), step_losses(full)
@@ -213,7 +213,7 @@ def test_packed_sft_with_checkpointing_matches_zero0_losses_eval_and_exact_match
     tp = launch(
         args + ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "4"],
         tmp_path / "tp",
-        launcher="torchrun",
+        launcher="forked",
     )
     tp.check()
     got, want = step_losses(tp), step_losses(base)
@@ -228,7 +228,7 @@ def test_bf16_trains_and_exports(tmp_path):
     run = launch(
         FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, "ds_configs/bf16.json", *micro(2), "--verify_export"],
         tmp_path / "run",
-        launcher="torchrun",
+        launcher="forked",
     ).check()
     got = step_losses(run)
     assert all(math.isfinite(x) for x in got.values()) and got[8] < got[1] - 0.5

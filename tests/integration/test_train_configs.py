@@ -1,5 +1,5 @@
 """Every shipped DeepSpeed config trains for real (2 CPU ranks; the quick start's ZeRO-3 under the deepspeed
-launcher, the rest under torchrun: conftest.baseline_launcher), the loss falls, and every ZeRO stage computes
+launcher, the rest under torchrun's agent with forked ranks: conftest.baseline_launcher), the loss falls, and every ZeRO stage computes
 the same losses as plain data parallel from the same seed."""
 
 import pytest

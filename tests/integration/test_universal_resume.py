@@ -15,7 +15,7 @@ UNIVERSAL_TOL = {"zero1": 1e-5, "zero2": 1e-5, "zero3": 1e-2}
 
 
 def resume(args, out, nproc, ga):
-    launcher = "python" if nproc == 1 else "torchrun"
+    launcher = "python" if nproc == 1 else "forked"
     return launch(
         args + ["--gradient_accumulation_steps", str(ga), "--resume_from_checkpoint", "auto"],
         out,

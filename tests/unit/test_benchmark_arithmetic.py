@@ -1,6 +1,6 @@
 """tools/benchmark.py's arithmetic, without a launcher: the settings benchmark's comparisons and the parallel
 benchmark's rounds (zero_recipes/bench/). The export benchmark's memory sampling starts a child process, so it
-is in tests/integration/test_benchmark_tool.py."""
+is in tests/integration/test_benchmark_memory.py."""
 
 from zero_recipes.bench.settings import PARITY_TOL, VARIANTS, summarise
 

@@ -1,80 +1,12 @@
-"""tools/benchmark.py data --quick runs end to end on the real pipeline, run_clm.py's and train.py, and writes
-its report. The figures themselves are machine-dependent; only their signs and orderings are checked."""
+"""The memory and parallelism benchmarks: tools/benchmark.py lora, parallel and longctx --quick under the
+allocator profiler, the GPU script's refusal on a CPU, and the export benchmark's memory sampler. The figures
+themselves are machine-dependent; only their signs, orderings and parities are checked."""
 
 import json
-import statistics
-import subprocess
 import sys
 
-from helpers import REPO
+from helpers import benchmark, run_quick
 from zero_recipes.bench.export import peak_memory
-
-
-def benchmark(*args, timeout: int):
-    return subprocess.run(
-        [sys.executable, "tools/benchmark.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def run_quick(name: str, tmp_path, timeout: int):
-    """`tools/benchmark.py NAME --quick` into tmp_path; it must succeed and leave one dated JSON report."""
-    proc = benchmark(name, "--quick", "--out-dir", str(tmp_path), timeout=timeout)
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    [report] = list(tmp_path.glob(f"{name}-*.json"))
-    return report
-
-
-def test_data_benchmark_quick(tmp_path):
-    """One corpus copy and one A/B pair: train.py's data preparation and run_clm.py's both tokenise the same
-    corpus, train.py starts cold and cached, and packing is measured with and without; the report carries
-    every section with the right signs."""
-    report = run_quick("data", tmp_path, timeout=600)
-    assert report.with_suffix(".md").exists()
-    r = json.loads(report.read_text())
-    prep, first, packing = r["prep"], r["time_to_first_step"], r["packing"]
-    assert prep["ours"]["tokens_per_sec"] > 0 and prep["run_clm"]["tokens_per_sec"] > 0
-    assert prep["ours"]["tokens"] >= prep["run_clm"]["tokens"]  # ours drops only the final tail
-    assert packing["with_packing"]["utilisation"] > packing["without_packing"]["utilisation"]
-    assert first["cold_seconds"] > 0 and first["cached_seconds"] > 0
-    assert r["versions"]["deepspeed"] and r["machine"]["cores"] > 0
-
-
-def test_train_speed_benchmark_quick(tmp_path):
-    """train.py, the HF Trainer and the bare DeepSpeed loop all train the same tiny workload through the
-    launcher, and the report's ratios are the medians of the window-paired ratios, inside their intervals."""
-    report = run_quick("train", tmp_path, timeout=900)
-    m = json.loads(report.read_text())["models"]["tiny"]
-    t = m["tokens_per_sec"]
-    assert set(t) == {"train.py", "HF Trainer", "bare DeepSpeed loop", "train.py --torch_compile"}
-    for runner in t.values():
-        assert runner["windows"] == 2 and 0 < runner["min"] <= runner["median"] <= runner["max"]
-    [one_round] = m["rounds"]
-    for key, a, b in (("vs_hf_trainer", "train.py", "HF Trainer"), ("vs_bare_loop", "train.py", "bare DeepSpeed loop")):
-        pairs = [x / y for x, y in zip(one_round[a], one_round[b])]
-        r = m[key]
-        assert r["pairs"] == 2 and abs(r["median"] - statistics.median(pairs)) < 1e-9
-        assert min(pairs) - 1e-9 <= r["low"] <= r["median"] <= r["high"] <= max(pairs) + 1e-9
-
-
-def test_sft_benchmark_quick(tmp_path):
-    """train.py, TRL's SFTTrainer and the HF Trainer each fine-tune on the same generated conversations for one
-    epoch through the launcher: each trains about the same label tokens (whole conversations, nothing dropped),
-    padding only where its batching pads, and the same held-out scorer sees a loss below the untrained ~8.3."""
-    report = run_quick("sft", tmp_path, timeout=900)
-    r = json.loads(report.read_text())
-    runners = r["runners"]
-    assert set(runners) == {"train.py", "TRL SFTTrainer", "HF Trainer", "train.py, text"}
-    trained = {k: runners[k]["trained_tokens"] for k in ("train.py", "TRL SFTTrainer", "HF Trainer")}
-    assert max(trained.values()) < 1.1 * min(trained.values()), trained  # one epoch of the same conversations
-    assert runners["TRL SFTTrainer"]["padding_share"] == 0  # padding-free rows
-    assert 0 < runners["HF Trainer"]["padding_share"] < 0.5 and 0 < runners["train.py"]["padding_share"] < 0.1
-    for name in trained:
-        x = runners[name]
-        assert x["label_tokens_per_sec"] > 0 and x["real_tokens_per_sec"] > x["label_tokens_per_sec"]
-        assert 0 < x["eval_loss"] < 8.0 and x["first_step_cold"] > 0 and min(x["max_rss_gib"]) > 0.1
-    for ratio in r["ratios"].values():
-        assert ratio["low"] <= ratio["median"] <= ratio["high"]
-    assert "train.py / TRL SFTTrainer, label tokens/s" in report.with_suffix(".md").read_text()
 
 
 def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
