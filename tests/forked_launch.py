@@ -8,8 +8,8 @@ pytest-xdist worker pays it once; a rank starts at `train.py`'s own imports. Wha
 `__main__` block, DeepSpeed, the process group (the agent's TCPStore, gloo/shm), the rank environment torchrun
 sets, the run's files. What it does not check: a fresh interpreter's import order, nor the launcher's exit
 codes and signals. The runs that do (the quick start's baseline under the `deepspeed` launcher, faults, kills,
-refusals in the shell, recipes through the deepspeed launcher, multi-node, the torchrun-vs-deepspeed test) keep
-a real launcher; docs/tests.md#launchers lists which runs use which.
+refusals in the shell, the multi-node recipe, multi-node and Slurm, the torchrun-vs-deepspeed test) keep a
+real launcher; docs/tests.md#launchers lists which runs use which.
 
 Test-only, like tests/inject/sitecustomize.py: nothing here is production code.
 """
@@ -73,7 +73,9 @@ def rank_main(argv: list[str], env: dict, stdout: str, stderr: str) -> int:
     os.environ.clear()
     os.environ.update(env, **agent)
     for fd, path in ((1, stdout), (2, stderr)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.chdir(REPO)
     sys.argv = ["train.py", *argv]
     exit_process, rank_pid = os._exit, os.getpid()

@@ -98,8 +98,8 @@ def launch(
     env: dict | None = None,
 ) -> Run:
     """train.py ARGS --output_dir OUTPUT_DIR launched as docs/tests.md#launchers says. "deepspeed" (the default,
-    the README's launcher) runs the quick start's baseline, the faults and kills, the recipes through it, the
-    multi-node recipe and the refusals that must reach the shell. "forked" runs those whose subject is a config
+    the README's launcher) runs the quick start's baseline, test_faults.py's faults, the multi-node recipe, the
+    benchmarks and the refusals that must reach the shell. "forked" runs those whose subject is a config
     or a mode: torchrun's agent in this process, ranks forked from a forkserver that has imported torch,
     transformers and DeepSpeed once per worker (tests/forked_launch.py), the same bits as the torchrun command.
     "torchrun" is the command itself, for runs whose faults or environment are read at interpreter start.
