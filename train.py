@@ -38,20 +38,20 @@ from zero_recipes import (
     jit_ops,
     lm_loss,
     loop,
-    lora,
     memory,
     metrics,
     model as modeling,
     packed_attention,
-    parallel,
     resume as resuming,
     run_dir,
-    sequence_parallel,
 )
 from zero_recipes.cli import help_text
-from zero_recipes.config import ConfigError
 from zero_recipes.engine import make_engine
+from zero_recipes.errors import ConfigError
+from zero_recipes.export import partitioned, verify_export
+from zero_recipes.mesh import picture as mesh_picture
 from zero_recipes.plan import RunPlan
+from zero_recipes.runner import EagerRunner
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -59,49 +59,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], instrument=None) -> int:
+    """One run. The modes (parallel axes, adapter, runner) are picked in the plan and the set-up; nothing
+    below asks which one this run has. `instrument`: a benchmark's hook, given the assembled loop.Loop before
+    it runs, returning the Loop to run (tools/bench/profiled_train.py wraps its runner and checkpointer)."""
     # ---- setup: the plan is resolved and the inputs checked before any process group starts ----------
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
     plan = RunPlan.from_args(argv)
-    cfg = plan.cfg
-    rank, _, _, local_world = distributed.rank_info()
+    rank = distributed.rank_info()[0]
     log = print if rank == 0 else (lambda *a, **k: None)
-    if lora.enabled(cfg):  # a target the model lacks fails here, on the meta model
-        lora.check(cfg, plan.model_config, plan.zero_stage)
-    if cfg.dry_run:
+    if plan.cfg.dry_run:
         return dry_run(plan, log)
-    if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
-        raise ConfigError("; ".join(problems))
-    report_to, resume_request, _ = check_inputs(plan)
-    jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
-
-    threads = distributed.set_threads(local_world)
-    distributed.init()
-    distributed.quiet_deepspeed()
-    stop = distributed.StopRequest()
-    for note in plan.notes:
-        log(f"config: {note}")
-    mesh = plan.mesh
-    log(f"distributed: {mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
-    if mesh.sp > 1:  # Ulysses goes into transformers' attention table before the model is built
-        sequence_parallel.register_ulysses(cfg, plan.model_config, mesh)
-        log(
-            f"sequence parallelism: each rank trains {cfg.block_size // mesh.sp} of every {cfg.block_size} tokens; "
-            f"attention all-to-alls to whole sequences with 1/{mesh.sp} of the heads (DeepSpeed Ulysses)"
-        )
-
-    # rank 0 builds the tokenizer and data caches while the others wait, then everyone reads them. The rows
-    # are sharded by data-parallel rank: the ranks of a tensor- or sequence-parallel group train on the same batch.
-    tokenizer = distributed.rank0_first(rank, lambda: data.load_tokenizer(cfg))
-    dp_rank, dp = mesh.dp_rank(rank), mesh.dp
-    if cfg.streaming:
-        prepared = data.prepare_stream(cfg, tokenizer, dp_rank, dp, log)
-        order = prepared.train
-    else:
-        prepared = distributed.rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
-        order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
+    report_to, resume_request, stop = start_processes(plan, log)
+    tokenizer, prepared, order = load_data(plan, rank, log)
     plan = plan.complete(plan.steps_to_train(order.per_rank), tokenizer)  # zero.Init reads the filled config
     run_dir.start_run(plan, rank)
     warn_if_too_big(plan, rank, log)
@@ -109,11 +81,7 @@ def main(argv: list[str]) -> int:
 
     # ---- resume --------------------------------------------------------------------------------------
     resume = resuming.plan_resume(resume_request, plan, rank, log)
-    ds = resume.engine_config(plan.ds) if resume else plan.ds
-    engine = make_engine(cfg, model, ds, plan.total_steps, mesh.deepspeed_mpu())
-    if cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
-        engine.compile()
-        log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
+    engine = start_engine(plan, model, resume.engine_config(plan.ds) if resume else plan.ds, log)
     step = resuming.restore(engine, resume, order, plan, rank, log) if resume else 0
 
     # ---- fit -----------------------------------------------------------------------------------------
@@ -122,28 +90,65 @@ def main(argv: list[str]) -> int:
         rank == 0,
         resumed_at=step if resume else None,
         report_to=report_to,
-        run_name=cfg.run_name,
+        run_name=plan.cfg.run_name,
         config=plan.signature,
     )
     checkpointer = checkpoint.Checkpointer(
-        plan.output_dir, rank, cfg.save_total_limit, hf_files_writer(engine, tokenizer)
+        plan.output_dir,
+        rank,
+        plan.cfg.save_total_limit,
+        plan.adapter.files_writer(engine, tokenizer),
+        plan.mesh.layout(),
     )
-    run = loop.Loop(engine, plan, order, prepared, log_file, checkpointer, stop, rank, log, mesh.count_group())
-    outcome = loop.fit(run, step)
+    runner = EagerRunner(engine, plan, rank, prepared.sft)
+    run = loop.Loop(engine, runner, plan, order, prepared, log_file, checkpointer, stop, rank, log)
+    outcome = loop.fit(instrument(run) if instrument else run, step)
     if not outcome.finished:
         log_file.close()
         return outcome.exit_code
 
     # ---- export: output_dir itself becomes a complete HF model (or PEFT adapter) directory -------------
     with run_dir.recording(plan.output_dir, rank):  # what the export writes is this run's (run_files.json)
-        export(engine, tokenizer, plan, rank, log)
-    if cfg.verify_export:
-        diff = verify_export(engine, plan, prepared, order, rank)
+        plan.adapter.export(engine, tokenizer, plan.output_dir, rank, DTYPES[plan.precision], log)
+    if plan.cfg.verify_export:
+        diff = check_export(engine, plan, prepared, order, rank)
         if rank == 0:
             log(f"export check: max |logits(reloaded) - logits(engine)| = {diff:.3g}")
             log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
     log_file.close()
     return 0
+
+
+def start_processes(plan: RunPlan, log):
+    """The checks that need the machine, the inputs, the DeepSpeed ops, then the process group. Returns the
+    trackers and the resume request (check_inputs), and the preemption signal's catcher."""
+    if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
+        raise ConfigError("; ".join(problems))
+    report_to, resume_request, _ = check_inputs(plan)
+    jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
+    threads = distributed.set_threads(distributed.rank_info()[3])
+    distributed.init()
+    distributed.quiet_deepspeed()
+    stop = distributed.StopRequest()
+    for note in plan.notes:
+        log(f"config: {note}")
+    log(f"distributed: {plan.mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
+    plan.parallelism.before_build(plan.cfg, plan.model_config, log)  # collective: Ulysses' attention, its groups
+    return report_to, resume_request, stop
+
+
+def load_data(plan: RunPlan, rank: int, log):
+    """The tokenizer and the data, built by rank 0 while the others wait, then read by everyone. The rows are
+    sharded by data-parallel rank: the ranks of a tensor- or sequence-parallel group train on the same batch."""
+    cfg, mesh = plan.cfg, plan.mesh
+    tokenizer = distributed.rank0_first(rank, lambda: data.load_tokenizer(cfg))
+    dp_rank, dp = mesh.dp_rank(rank), mesh.dp
+    if cfg.streaming:
+        prepared = data.prepare_stream(cfg, tokenizer, dp_rank, dp, log)
+        return tokenizer, prepared, prepared.train
+    prepared = distributed.rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
+    order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
+    return tokenizer, prepared, order
 
 
 def check_inputs(plan: RunPlan):
@@ -160,54 +165,22 @@ def check_inputs(plan: RunPlan):
     return report_to, resume_request, sampled
 
 
-def export(engine, tokenizer, plan: RunPlan, rank: int, log) -> None:
-    out, zero3 = plan.output_dir, plan.zero_stage == 3
-    if not lora.enabled(plan.cfg):
-        modeling.export_hf_model(engine, tokenizer, out, zero3, rank)
-        log(f"export: AutoModelForCausalLM.from_pretrained('{out}') loads the trained model")
-    elif plan.cfg.merge_lora:
-        lora.export_merged(engine, tokenizer, out, zero3, rank, DTYPES[plan.precision])
-        log(f"export: the adapter merged into its base; AutoModelForCausalLM.from_pretrained('{out}') loads it")
-    else:
-        lora.export_adapter(engine, tokenizer, out, zero3, rank)
-        log(f"export: a PEFT adapter; PeftModel.from_pretrained(base, '{out}') loads it onto its base")
-
-
-def hf_files_writer(engine, tokenizer):
-    """What each checkpoint carries besides DeepSpeed's files (tools/export_hf.py needs nothing else)."""
-    write_model_files = modeling.hf_files_writer(engine.module.config, tokenizer)
-    if not lora.enabled_on(engine.module):
-        return write_model_files
-
-    def write(out_dir):
-        write_model_files(out_dir)
-        engine.module.peft_config["default"].save_pretrained(str(out_dir))
-
-    return write
-
-
 def build_model(plan: RunPlan, rank: int, log):
     """Under ZeRO-3 the model is built inside zero.Init, straight into partitions: transformers does that
-    while an HfDeepSpeedConfig is alive."""
+    while an HfDeepSpeedConfig is alive. Then train.py's loss where it applies, then the adapter."""
     from transformers.integrations import HfDeepSpeedConfig
 
     cfg, model_config = plan.cfg, plan.model_config
-    if cfg.attn_implementation == "sdpa" and plan.mesh.sp == 1:  # packed rows: one sdpa call per example, not a
-        packed_attention.install()  # masked row (1.7x a step here); under SP it sits inside Ulysses, installed there
-    hf_ds = HfDeepSpeedConfig(parallel.zero_init_config(plan.ds, plan.mesh))  # noqa: F841 -- alive while building
+    if cfg.attn_implementation == "sdpa" and not plan.parallelism.owns_attention:  # packed rows: one sdpa call
+        packed_attention.install()  # per example, not a masked row (1.7x a step here); Ulysses wraps it itself
+    hf_ds = HfDeepSpeedConfig(plan.parallelism.zero_init_config(plan.ds))  # noqa: F841 -- alive while building
     modeling.causal_lm_class(model_config)
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
-    model = modeling.build_model(cfg, model_config, load_dtype, rank)
+    model = modeling.build_model(cfg, model_config, load_dtype, rank, plan.adapter.load_kwargs(load_dtype))
     n_params = modeling.num_params(model)
-    install_long_context(model, plan, log)
-    if lora.enabled(cfg):
-        model = lora.wrap(model, cfg)
-        trainable, total = lora.trainable_count(model)
-        log(
-            f"lora: r {cfg.lora_r}, alpha {cfg.lora_alpha:g} on {', '.join(cfg.lora_target_modules)}; trains "
-            f"{trainable:,} of {total:,} parameters ({100 * trainable / total:.2f} %), the base frozen"
-        )
-    if plan.zero_stage == 3:
+    lm_loss.install_for_run(model, plan, log)
+    model = plan.adapter.wrap(model, log)
+    if partitioned(model):
         log(
             f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
             "parameters"
@@ -219,22 +192,13 @@ def build_model(plan: RunPlan, rank: int, log):
     return model
 
 
-def install_long_context(model, plan: RunPlan, log) -> None:
-    """train.py's own loss (tiled over the sequence; always under SP) and the tiled MLP, where they apply."""
-    cfg, model_config, zero3, sp = plan.cfg, plan.model_config, plan.zero_stage == 3, plan.mesh.sp
-    if lm_loss.applies(cfg, model_config, sp):
-        tokens = lm_loss.tile_tokens(cfg, model_config)
-        lm_loss.install(model, tokens, cfg.tiled_loss, zero3)
-        local = cfg.per_device_train_batch_size * cfg.block_size // sp
-        if cfg.tiled_loss and local > tokens:
-            log(f"loss: head and cross-entropy in tiles of {tokens} tokens; the whole logits are never held")
-        else:
-            log(f"loss: computed by train.py over each rank's {local} tokens per micro-batch (one tile)")
-    elif cfg.tiled_loss and not lm_loss.knows_head(model_config):
-        log(f"loss: transformers' own (untiled): train.py does not know the output head of {model_config.model_type}")
-    if cfg.tiled_mlp:
-        n = lm_loss.install_tiled_mlp(model, zero3)
-        log(f"mlp: {n} decoder MLPs run in tiles of {model_config.get_text_config().hidden_size} tokens (TiledMLP)")
+def start_engine(plan: RunPlan, model, ds: dict, log):
+    """`deepspeed.initialize` with the run's axes as its mpu; compiled when asked."""
+    engine = make_engine(plan.cfg, model, ds, plan.total_steps, plan.parallelism.mpu())
+    if plan.cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
+        engine.compile()
+        log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
+    return engine
 
 
 def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
@@ -255,12 +219,13 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
         )
 
 
-def verify_export(engine, plan: RunPlan, prepared, order, rank: int):
-    """Reload the export on rank 0 and compare its logits with the engine's on one probe row."""
+def check_export(engine, plan: RunPlan, prepared, order, rank: int):
+    """Reload the export on rank 0 as a user would and compare its logits with the engine's on one probe row."""
     rows = prepared.probe_rows
     probe = data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch()
     probe = probe["input_ids"][:1, :64].to(engine.device)
-    return modeling.verify_export(engine, plan.output_dir, probe, rank, DTYPES[plan.precision], plan.cfg.load_in_4bit)
+    dtype = DTYPES[plan.precision]
+    return verify_export(engine, probe, rank, lambda: plan.adapter.reload(plan.output_dir, dtype))
 
 
 def dry_run(plan: RunPlan, log) -> int:
@@ -298,10 +263,10 @@ def dry_run(plan: RunPlan, log) -> int:
     if plan.mesh.group > 1:
         local = distributed.rank_info()[3]
         nodes = local if plan.world > local > 1 else None
-        axis = "tensor" if plan.mesh.tp > 1 else "sequence"
+        axis = next(name for name, n in plan.mesh.sizes.items() if n > 1)
         log(
             f"mesh (global ranks: a row per data-parallel replica, a column per {axis}-parallel index):\n"
-            f"{parallel.picture(plan.mesh, nodes)}"
+            f"{mesh_picture(plan.mesh, nodes)}"
         )
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0

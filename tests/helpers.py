@@ -14,7 +14,7 @@ from pathlib import Path
 
 import forked_launch
 from zero_recipes import distributed, shipped
-from zero_recipes.bench.common import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
+from zero_recipes.memory.probe import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
 
 REPO = Path(__file__).resolve().parent.parent
 INJECT = REPO / "tests" / "inject"  # sitecustomize.py for the processes tests launch (conftest puts it on PYTHONPATH)

@@ -26,7 +26,8 @@
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} (longctx also a .png) with the date, versions
-and machine. The code lives in zero_recipes/bench/, one module per benchmark.
+and machine. The code lives in tools/bench/, one module per benchmark (the package `bench`, imported from this
+script's folder; not installed with zero_recipes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zero_recipes.bench import (
+from bench import (
     data,
     estimator,
     estimator_public,

@@ -19,7 +19,7 @@ import sys
 import time
 
 from zero_recipes import jit_ops
-from zero_recipes.config import ConfigError
+from zero_recipes.errors import ConfigError
 
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
 

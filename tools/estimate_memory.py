@@ -43,7 +43,7 @@ import sys
 with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
-from zero_recipes.config import ConfigError
+from zero_recipes.errors import ConfigError
 from zero_recipes.memory.from_args import loader, one
 from zero_recipes.memory.table import gpu_counts, table
 from zero_recipes.memory.table_text import WIDTH, gb, longest, render

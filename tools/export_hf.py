@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from zero_recipes.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, check_intact, find_checkpoint
-from zero_recipes.config import ConfigError
+from zero_recipes.errors import ConfigError
 from zero_recipes.lora import is_adapter_dir, peft_model_from
 from zero_recipes.resume import convert_to_universal
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from zero_recipes.checkpoint import find_checkpoint
-from zero_recipes.config import ConfigError
+from zero_recipes.errors import ConfigError
 from zero_recipes.lora import is_adapter_dir, load_for_inference
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

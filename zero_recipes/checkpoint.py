@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError
+from .errors import ConfigError
 
 LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP and SP sizes and ZeRO stage that saved it
 UNIVERSAL_SUFFIX = "-universal"
@@ -221,8 +221,10 @@ def save(
     keep: int,
     rank_state: dict | None = None,
     hf_writer=None,
+    mesh_layout: dict | None = None,
 ) -> Path:
-    """Save a checkpoint; its manifest, then `latest`, are written only after every rank's files are."""
+    """Save a checkpoint; its manifest, then `latest`, are written only after every rank's files are.
+    `mesh_layout`: the saving mesh's sizes (mesh.Mesh.layout), recorded for a later resume to compare."""
     import torch
 
     d = checkpoints_dir(output_dir)
@@ -242,12 +244,10 @@ def save(
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
     # every rank's files exist, and atomically.
     if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
-        sp = max(1, getattr(engine, "sequence_parallel_size", 1))  # under SP, dp_world_size is None (0.19.8)
-        dp = engine.dp_world_size if sp == 1 else engine.seq_dp_world_size // sp
-        layout = {"world": dp, "step": step, "zero_stage": int(engine.zero_optimization_stage())}
-        parallel = {"tensor_parallel": max(1, engine.autotp_size()), "sequence_parallel": sp}
+        sizes = dict(mesh_layout or {"world": engine.dp_world_size})
+        layout = {"world": sizes.pop("world"), "step": step, "zero_stage": int(engine.zero_optimization_stage())}
         # "manifest": this save writes one, so a checkpoint of it without one is a save that did not finish
-        (d / tag / LAYOUT).write_text(json.dumps({**layout, **parallel, "manifest": True}))
+        (d / tag / LAYOUT).write_text(json.dumps({**layout, **sizes, "manifest": True}))
     # A LoRA run's frozen base is the pretrained model: not saved again (its adapter config names it)
     engine.save_checkpoint(
         str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)
@@ -312,8 +312,9 @@ class Checkpointer:
     """Saves this run's checkpoints into output_dir/checkpoints, keeping the newest `keep`; the loop calls
     `save` at its save steps and on preemption."""
 
-    def __init__(self, output_dir: Path, rank: int, keep: int, hf_writer=None):
+    def __init__(self, output_dir: Path, rank: int, keep: int, hf_writer=None, mesh_layout: dict | None = None):
         self.output_dir, self.rank, self.keep, self.hf_writer = output_dir, rank, keep, hf_writer
+        self.mesh_layout = mesh_layout
 
     def save(self, engine, step: int, rank_state: dict) -> Path:
         """Collective."""
@@ -326,6 +327,7 @@ class Checkpointer:
             self.keep,
             rank_state=rank_state,
             hf_writer=self.hf_writer,
+            mesh_layout=self.mesh_layout,
         )
 
     def latest_tag(self) -> Optional[str]:

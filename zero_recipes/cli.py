@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
-from .config import FIELDS, REPO_ROOT, ConfigError, TrainConfig, resolve_path, validate
+from . import lora_options
+from .config import FIELDS, REPO_ROOT, TrainConfig, resolve_path, validate
 from .distributed import accelerate_launch_choices
+from .errors import ConfigError
 
 
 def field_docs() -> dict[str, str]:
@@ -123,9 +124,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
         if len(recipe[-1]) != 1:
             raise ConfigError("--recipe takes one YAML file, e.g. --recipe recipes/tiny-llama.yaml")
         path = recipe[-1][0]
-        from .lora import flatten_recipe_block
-
-        for key, value in flatten_recipe_block(load_recipe(path), path).items():
+        for key, value in lora_options.flatten_recipe_block(load_recipe(path), path).items():
             if key not in FIELDS:
                 raise unknown_key_error(key, f"recipe {path}")
             values[key] = coerce(key, value)
@@ -149,35 +148,6 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg, set(values) - {"local_rank"}
-
-
-def parse_inline_or_file(name: str, value: Any) -> Any:
-    """A structured option given as a recipe mapping/list, inline JSON, or a JSON/YAML file."""
-    if value is None or isinstance(value, (dict, list)):
-        return value
-    text = str(value).strip()
-    if text.startswith(("{", "[")):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--{name} inline JSON is invalid at column {e.colno}: {e.msg}") from None
-    p = resolve_path(text)
-    if not p.is_file():
-        raise ConfigError(f"--{name} '{text}' is neither inline JSON nor an existing file")
-    try:
-        return json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {e}") from None
-
-
-def parse_model_config(value: Any) -> Optional[dict]:
-    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
-    data = parse_inline_or_file("model_config", value)
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"--model_config must be an object of HF config fields, got {type(data).__name__}")
-    return data
 
 
 def help_text() -> str:

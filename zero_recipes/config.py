@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from . import lr_schedule
+import yaml
+
+from . import lora_options, lr_schedule
+from .errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,10 +28,6 @@ BUILTIN_INSTRUCTIONS = "builtin:tiny-instructions"
 """The embedded instruction set: generated chat examples with checkable answers (recipes/tiny-sft.yaml)."""
 
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "alpaca", "messages")
-
-
-class ConfigError(Exception):
-    """Bad user input. train.py prints it as one line and exits non-zero, without a traceback."""
 
 
 @dataclass
@@ -277,8 +277,35 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--loss_tile_tokens must be >= 0 (0: sized automatically), got {cfg.loss_tile_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
         raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
-    from .lora import validate_options
-
-    validate_options(cfg)
+    lora_options.validate_options(cfg)
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
+
+
+def parse_inline_or_file(name: str, value: Any) -> Any:
+    """A structured option given as a recipe mapping/list, inline JSON, or a JSON/YAML file."""
+    if value is None or isinstance(value, (dict, list)):
+        return value
+    text = str(value).strip()
+    if text.startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--{name} inline JSON is invalid at column {e.colno}: {e.msg}") from None
+    p = resolve_path(text)
+    if not p.is_file():
+        raise ConfigError(f"--{name} '{text}' is neither inline JSON nor an existing file")
+    try:
+        return json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+
+
+def parse_model_config(value: Any) -> Optional[dict]:
+    """`model_config` as a dict: from a mapping, an inline JSON object, or a JSON/YAML file."""
+    data = parse_inline_or_file("model_config", value)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"--model_config must be an object of HF config fields, got {type(data).__name__}")
+    return data

@@ -7,7 +7,7 @@ import re
 import sys
 from datetime import timedelta
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def rank_info() -> tuple[int, int, int, int]:

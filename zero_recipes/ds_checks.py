@@ -11,8 +11,9 @@ import difflib
 import os
 from pathlib import Path
 
-from .config import ConfigError
+from .ds_facts import offloads, precision, zero_stage
 from .ds_schema import block_models
+from .errors import ConfigError
 
 # DeepSpeed 0.19.8 removed these optimizers without a message (runtime/engine.py `_configure_basic_optimizer`
 # falls through to getattr(torch.optim, name) and raises AttributeError); named here so the line can say so.
@@ -22,7 +23,6 @@ REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "on
 def refuse_ignored(ds: dict) -> list[str]:
     """Raise for settings DeepSpeed would accept and then not honour at this ZeRO stage (the user would train
     believing they are on); return notes for the ignored tuning knobs that change nothing but speed."""
-    from .ds_config import offloads, zero_stage  # here: ds_config imports this module
 
     z = ds.get("zero_optimization") or {}
     stage = zero_stage(ds)
@@ -168,8 +168,6 @@ def machine_problems(ds: dict) -> list[str]:
     """What this machine cannot run with a resolved config, found before any process group or model: the precision's kernels, and
     NVMe offload's async_io op and directory."""
     from deepspeed.accelerator import get_accelerator
-
-    from .ds_config import precision  # here: ds_config imports this module
 
     acc = get_accelerator()
     problems = precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), acc.is_bf16_supported())

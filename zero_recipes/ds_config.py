@@ -14,8 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import ds_checks, ds_schema, parallel
-from .config import REPO_ROOT, ConfigError, TrainConfig, resolve_path
+from . import ds_checks, ds_schema, modes
+from .config import REPO_ROOT, TrainConfig, resolve_path
+from .ds_facts import zero_stage
+from .errors import ConfigError
+from .mesh import Mesh
 
 AUTO = "auto"
 
@@ -49,26 +52,6 @@ def deep_merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
-
-
-def zero_stage(ds: dict) -> int:
-    return int(ds.get("zero_optimization", {}).get("stage", 0))
-
-
-def precision(ds: dict) -> str:
-    """'bf16', 'fp16' or 'fp32' for a resolved config (both blocks' "enabled" filled)."""
-    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
-
-
-def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
-    """(optimizer offload device, param offload device), each None, 'cpu' or 'nvme'."""
-    z = ds.get("zero_optimization", {})
-
-    def dev(key):
-        d = (z.get(key) or {}).get("device", "none")
-        return None if d in (None, "none") else d
-
-    return dev("offload_optimizer"), dev("offload_param")
 
 
 @dataclass(frozen=True)
@@ -127,11 +110,10 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     r = Resolver(cfg, explicit)
     r.notes += renamed
     _resolve_precision(ds, r)
-    r.notes += parallel.adopt_llamafactory_sequence_parallel(ds)
-    mesh = parallel.Mesh.of(world_size, ds)
-    parallel.check_mesh(mesh)
-    if mesh.tp > 1:
-        parallel.gather_logits(ds["tensor_parallel"])
+    r.notes += modes.adopt(ds)
+    mesh = Mesh.of(world_size, ds)
+    mesh.check()
+    modes.parallelism_for(mesh).configure(ds)
     _resolve_batch(ds, r, mesh.dp)
     r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
     _resolve_optimizer(ds, r)

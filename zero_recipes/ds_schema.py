@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def block_models() -> dict[str, type]:

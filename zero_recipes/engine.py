@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from . import lr_schedule
 from .config import TrainConfig
-from .ds_config import offloads, warmup_steps
+from .ds_config import warmup_steps
+from .ds_facts import offloads
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import model as modeling, shipped
-from .cli import parse_model_config
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig, parse_model_config
+from .errors import ConfigError
 
 PROBE_TIMEOUT_S = 2.0
 """One HEAD of the hub's endpoint: it fails in 0.1 s where the name does not resolve and in 1 ms where the port

@@ -37,9 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
 from .distributed import rank_info
-from .ds_config import offloads
+from .ds_facts import offloads
+from .errors import ConfigError
 
 QUIET_S = 600.0  # a folder unchanged this long is not being built: one compile step (nvcc, many archs) is shorter
 POLL_S = 0.5

@@ -79,7 +79,7 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool) -> None:
         return CausalLMOutputWithPast(loss=loss / count)
 
     model.forward = forward
-    model.computes_own_loss = True  # loop.evaluate asks for row sums instead of logits
+    model.computes_own_loss = True  # eval_row_stats asks for row sums instead of logits
 
 
 def agreed_tiles(tokens: int, tokens_per_tile: int, zero3: bool, device) -> int:
@@ -173,3 +173,39 @@ def _tile_mlp(mlp, hidden_size: int, zero3: bool) -> None:
         return TiledMLP.apply(lambda _self, x_tile: own_forward(x_tile), mlp, x, tiles, params)
 
     mlp.forward = forward
+
+
+def eval_row_stats(model, module, batch: dict, labels):
+    """Per row of an eval batch: (loss sum, label tokens, wrong argmax tokens). `model` is called (the engine),
+    `module` is what it wraps. A model whose loss this module computes gives its row sums tile by tile (no
+    logits kept); any other is asked for its logits."""
+    import torch
+
+    if getattr(module, "computes_own_loss", False):
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        loss_sum, n, wrong = model(**batch, eval_targets=targets, use_cache=False)["row_stats"].unbind(1)
+        return loss_sum, n, wrong
+    target = labels[:, 1:]
+    logits = model(**batch, use_cache=False).logits[:, :-1].float()
+    valid = target != -100
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none", ignore_index=-100)
+    return losses.sum(dim=1), valid.sum(dim=1), ((logits.argmax(-1) != target) & valid).sum(dim=1)
+
+
+def install_for_run(model, plan, log) -> None:
+    """train.py's own loss (tiled over the sequence; always under SP) and the tiled MLP, where they apply to
+    the run `plan` (plan.RunPlan). Under ZeRO-3 the ranks agree on their tile counts (`agreed_tiles`)."""
+    cfg, model_config, sp, zero3 = plan.cfg, plan.model_config, plan.mesh.sp, plan.zero_stage == 3
+    if applies(cfg, model_config, sp):
+        tokens = tile_tokens(cfg, model_config)
+        install(model, tokens, cfg.tiled_loss, zero3)
+        local = cfg.per_device_train_batch_size * cfg.block_size // sp
+        if cfg.tiled_loss and local > tokens:
+            log(f"loss: head and cross-entropy in tiles of {tokens} tokens; the whole logits are never held")
+        else:
+            log(f"loss: computed by train.py over each rank's {local} tokens per micro-batch (one tile)")
+    elif cfg.tiled_loss and not knows_head(model_config):
+        log(f"loss: transformers' own (untiled): train.py does not know the output head of {model_config.model_type}")
+    if cfg.tiled_mlp:
+        n = install_tiled_mlp(model, zero3)
+        log(f"mlp: {n} decoder MLPs run in tiles of {model_config.get_text_config().hidden_size} tokens (TiledMLP)")

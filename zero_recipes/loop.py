@@ -1,5 +1,6 @@
 """The training loop: `fit` runs optimizer steps to the plan's total and calls the objects that log,
-evaluate, guard against a non-finite loss and checkpoint. `train_step` is one optimizer step.
+evaluate, guard against a non-finite loss and checkpoint. How one step runs is the runner's (runner.py): `fit`
+never asks which mode the run is in.
 
 Every rank runs the same collectives in the same order: the step's label-token count (SFT), the
 non-finite check and the loss all-reduce at logging/saving steps, eval, the preemption agreement, the save.
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from . import data, metrics, sequence_parallel
+from . import data, metrics
 from .checkpoint import Checkpointer
 from .distributed import StopRequest
 from .plan import RunPlan
@@ -27,6 +28,8 @@ class Loop:
     """What the loop reads and calls; built once in train.py."""
 
     engine: object
+    runner: object
+    """How one optimizer step and one eval batch run (runner.EagerRunner)."""
     plan: RunPlan
     order: object  # data.BatchOrder or the streamed equivalent: next_batch(), epoch_progress, state_dict()
     prepared: object  # data.Prepared: eval rows, pad id, whether labels are SFT-masked
@@ -35,9 +38,6 @@ class Loop:
     stop: StopRequest
     rank: int
     log: Callable[..., None]
-    count_group: object = None
-    """The process group over which label-token counts add up to the global batch's (None: the world):
-    with tensor parallelism one rank per TP group, since its ranks share rows (parallel.Mesh.count_group)."""
 
 
 @dataclass(frozen=True)
@@ -70,54 +70,6 @@ class NonFiniteGuard:
         return None if bad.item() >= self.NONE else int(bad.item())
 
 
-def train_step(
-    engine,
-    micro_batches: list[dict],
-    window: metrics.LogWindow,
-    guard: NonFiniteGuard,
-    step: int,
-    count_label_tokens: bool,
-    measure_grad_norm: bool,
-    grad_divisor: int,
-    count_group=None,
-):
-    """One optimizer step over its micro-batches. Returns the grad norm when asked to measure it (ZeRO-0 in
-    fp32 runs without the DeepSpeed optimizer wrapper that records it), else None. `grad_divisor`: what
-    DeepSpeed divides the sum of all ranks' gradients by (parallel.Mesh.gradient_divisor)."""
-    accumulation = len(micro_batches)
-    # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
-    extra = {"use_cache": False}
-    if count_label_tokens:
-        # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its
-        # micro-batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
-        # Counted once per token: over one rank per tensor-parallel group (it shares its rows), over every
-        # rank of a sequence-parallel group (each holds its slice, targets pre-shifted).
-        n_items = sum(label_tokens(b) for b in micro_batches).float()
-        torch.distributed.all_reduce(n_items, group=count_group)
-        # DeepSpeed divides by the accumulation steps and by grad_divisor; undo both here
-        extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * grad_divisor)
-    grad_norm = None
-    for micro, batch in enumerate(micro_batches):
-        loss = engine(**batch, **extra).loss
-        engine.backward(loss)
-        if measure_grad_norm and micro == accumulation - 1:
-            grad_norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in engine.module.parameters() if p.grad is not None]
-            )
-        engine.step()
-        window.add_loss(loss)
-        guard.observe(loss, step)
-    return grad_norm
-
-
-def label_tokens(batch: dict):
-    """Trained tokens in a batch: targets that are not -100 (a sequence-parallel slice carries its targets
-    pre-shifted in `shift_labels`)."""
-    if "shift_labels" in batch:
-        return (batch["shift_labels"] != -100).sum()
-    return (batch["labels"][:, 1:] != -100).sum()
-
-
 def fit(loop: Loop, step: int) -> Outcome:
     """Train from `step` to the plan's total. Logs every `logging_steps`, evaluates every `eval_steps`,
     saves every `save_steps` and at the end; on a preemption signal saves and returns early."""
@@ -131,22 +83,11 @@ def fit(loop: Loop, step: int) -> Outcome:
         with window.paused():
             run_eval(loop, 0)
     engine.train()
-    measure_grad_norm = loop.plan.zero_stage == 0 and loop.plan.precision == "fp32"
     own_grad_norm = None
     while step < total:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
         micro_batches, data_wait = next_micro_batches(loop)
-        norm = train_step(
-            engine,
-            micro_batches,
-            window,
-            guard,
-            step + 1,
-            loop.prepared.sft or loop.plan.mesh.sp > 1,  # SP: per-slice means would weight slices unequally
-            measure_grad_norm and logging_step,
-            loop.plan.mesh.gradient_divisor(loop.plan.zero_stage),
-            loop.count_group,
-        )
+        norm = loop.runner.train_step(micro_batches, window, guard, step + 1, logging_step)
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:
@@ -199,13 +140,8 @@ def save_or_stop(loop: Loop, window: metrics.LogWindow, bar, step: int, saving: 
 def next_micro_batches(loop: Loop) -> tuple[list[dict], float]:
     """One optimizer step's micro-batches on the device, and the seconds spent waiting for them."""
     t = time.perf_counter()
-    mesh = loop.plan.mesh
-    micro_batches = []
-    for _ in range(loop.plan.cfg.gradient_accumulation_steps):
-        batch = loop.order.next_batch()
-        if mesh.sp > 1:  # this rank's slice of each row: the SP group's ranks hold the same rows
-            batch = sequence_parallel.shard(batch, mesh.sp_rank(loop.rank), mesh.sp)
-        micro_batches.append({k: v.to(loop.engine.device, non_blocking=True) for k, v in batch.items()})
+    steps = loop.plan.cfg.gradient_accumulation_steps
+    micro_batches = [loop.runner.micro_batch(loop.order.next_batch()) for _ in range(steps)]
     return micro_batches, time.perf_counter() - t
 
 
@@ -242,8 +178,7 @@ def open_window(loop: Loop) -> metrics.LogWindow:
         flops_per_token,
         peak,
         group=plan.mesh.group,
-        # under SP a rank's loss is its slice's share of the replica's, scaled by gradient_divisor / dp
-        loss_shares=plan.mesh.sp * plan.mesh.dp // plan.mesh.gradient_divisor(plan.zero_stage),
+        loss_shares=plan.mesh.loss_shares(plan.zero_stage),
     )
 
 
@@ -272,47 +207,35 @@ def log_record(
 
 def run_eval(loop: Loop, step: int) -> None:
     shard, shards = loop.plan.mesh.eval_shard(loop.rank)
-    ev = evaluate(loop.engine, loop.prepared, loop.plan.cfg, shard, shards, loop.count_group)
+    ev = evaluate(loop.runner, loop.prepared, loop.plan.cfg, shard, shards)
     if ev:
         loop.log_file.write({"step": step, **ev})
         loop.log(f"eval: step {step} {format_eval(ev)}")
 
 
-def evaluate(engine, prepared, cfg, shard: int, shards: int, count_group=None) -> dict:
+def evaluate(runner, prepared, cfg, shard: int, shards: int) -> dict:
     """Token-weighted eval loss over the label tokens, and for SFT the exact-match accuracy: the share
     of eval examples whose every answer token is the model's argmax. Teacher-forced argmax on every
     answer token is exactly what greedy decoding would produce, so this is greedy exact match at the
     cost of one forward pass (and the same collectives on every rank, as ZeRO-3 needs). The rows are sharded
-    `shards` ways (parallel.Mesh.eval_shard) and summed over `count_group`, so each row counts once."""
+    `shards` ways (mesh.Mesh.eval_shard) and summed over the runner's count group, so each row counts once."""
+    engine = runner.engine
     engine.eval()
     device = engine.device
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, label tokens, matches, examples
-    own_loss = getattr(engine.module, "computes_own_loss", False)  # lm_loss: row sums, tile by tile
     with torch.no_grad():
         for batch, weight in data.eval_batches(
             prepared.eval, cfg.per_device_eval_batch_size, shard, shards, cfg.max_eval_batches, prepared.pad_id
         ):
             batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
-            labels = batch.pop("labels")
-            if own_loss:
-                targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-                loss_sum, n, wrong = engine(**batch, eval_targets=targets, use_cache=False)["row_stats"].unbind(1)
-            else:
-                target = labels[:, 1:]
-                logits = engine(**batch, use_cache=False).logits[:, :-1].float()
-                valid = target != -100
-                losses = torch.nn.functional.cross_entropy(
-                    logits.transpose(1, 2), target, reduction="none", ignore_index=-100
-                )
-                loss_sum, n = losses.sum(dim=1), valid.sum(dim=1)
-                wrong = ((logits.argmax(-1) != target) & valid).sum(dim=1)
+            loss_sum, n, wrong = runner.eval_rows(batch)
             total[0] += (loss_sum * weight).sum()
             total[1] += (n * weight).sum()
             if prepared.exact_match:
                 has_answer = n > 0
                 total[2] += (((wrong == 0) & has_answer) * weight).sum()
                 total[3] += (has_answer * weight).sum()
-    torch.distributed.all_reduce(total, group=count_group)
+    torch.distributed.all_reduce(total, group=runner.count_group)
     if total[1].item() == 0:
         return {}
     loss = (total[0] / total[1]).item()

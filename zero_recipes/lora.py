@@ -16,11 +16,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
-from .config import ConfigError, TrainConfig
-from .model import gathered_parameters, num_params
+from .adapter import FullFineTuning
+from .config import TrainConfig
+from .errors import ConfigError
+from .export import gathered_parameters
+from .lora_options import ALL_LINEAR
+from .model import meta_model, num_params, quantized_load
 
-ALL_LINEAR = "all-linear"
 QLORA_CPU_BLOCK = 64
 """On a CPU, bitsandbytes 0.50's 4-bit matmul repacks each weight in blocks of 64 input features; a layer with
 another width fails inside the forward with a shape error (measured: 352 = 5.5 x 64)."""
@@ -29,69 +33,17 @@ another width fails inside the forward with a shape error (measured: 352 = 5.5 x
 # optional hub kernel is missing; its built-in fallback is what runs. Once per rank per launch, not actionable.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-# A recipe's `lora:` block, in peft's LoraConfig names, and the options each key sets.
-LORA_BLOCK = {
-    "r": "lora_r",
-    "alpha": "lora_alpha",
-    "dropout": "lora_dropout",
-    "target_modules": "lora_target_modules",
-    "modules_to_save": "modules_to_save",
-}
-SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "modules_to_save")
-"""What makes one adapter: a checkpoint resumes only with the same values."""
-
-
-def enabled(cfg: TrainConfig) -> bool:
-    return cfg.lora_r > 0
-
 
 def enabled_on(module) -> bool:
     """The engine's module is a peft model."""
     return hasattr(module, "peft_config")
 
 
-def flatten_recipe_block(recipe: dict, path: str) -> dict:
-    """`lora: {r: 16, alpha: 32}` -> lora_r: 16, lora_alpha: 32 (a flat key of the same option wins)."""
-    block = recipe.get("lora")
-    if block is None:
-        return recipe
-    if not isinstance(block, dict):
-        raise ConfigError(f"recipe {path}: `lora:` must be a mapping, e.g. lora: {{r: 16, alpha: 32}}")
-    flat = {k: v for k, v in recipe.items() if k != "lora"}
-    for key, value in block.items():
-        if key not in LORA_BLOCK:
-            raise ConfigError(f"recipe {path}: unknown key '{key}' in `lora:`; use {', '.join(LORA_BLOCK)}")
-        flat.setdefault(LORA_BLOCK[key], value)
-    return flat
-
-
-def validate_options(cfg: TrainConfig) -> None:
-    if cfg.lora_r < 0:
-        raise ConfigError(f"--lora_r must be >= 0 (0 is full fine-tuning), got {cfg.lora_r}")
-    if cfg.lora_r == 0:
-        if cfg.load_in_4bit:
-            raise ConfigError("--load_in_4bit (QLoRA) trains LoRA adapters on a 4-bit base: set --lora_r (e.g. 16)")
-        if cfg.merge_lora:
-            raise ConfigError("--merge_lora needs LoRA: set --lora_r (e.g. 16), or drop --merge_lora")
-        return
-    if cfg.lora_alpha <= 0:
-        raise ConfigError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
-    if not 0 <= cfg.lora_dropout < 1:
-        raise ConfigError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if not cfg.model_name_or_path or (cfg.model_config is not None and not cfg.dry_run):  # a dry run: see hub.py
-        raise ConfigError(
-            "LoRA adapts pretrained weights: set --model_name_or_path to a hub id or a directory from_pretrained "
-            "loads (without --model_config); a random init leaves no base to load the adapter onto"
-        )
-
-
-def check(cfg: TrainConfig, model_config, zero_stage: int) -> None:
+def check(cfg: TrainConfig, model_config) -> None:
     """A LoRA run's options against the model, on one meta model, before any process group starts."""
-    from .model import meta_model
-
     model = meta_model(model_config)
     check_targets(cfg, model, model_config.model_type)
-    check_quantization(cfg, model, zero_stage)
+    check_quantization(cfg, model)
 
 
 def check_targets(cfg: TrainConfig, model, model_type: str) -> None:
@@ -121,16 +73,10 @@ def quantized_linears(model) -> list:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
 
 
-def check_quantization(cfg: TrainConfig, model, zero_stage: int) -> None:
-    """QLoRA where it can run, refused in one line where it cannot."""
+def check_quantization(cfg: TrainConfig, model) -> None:
+    """QLoRA where it can run, refused in one line where it cannot (with ZeRO-3: combinations.py)."""
     if not cfg.load_in_4bit:
         return
-    if zero_stage == 3:
-        raise ConfigError(
-            "--load_in_4bit with ZeRO-3 is not supported here: ZeRO-3 would partition bitsandbytes' packed 4-bit "
-            "weights and lose their quantisation state. Use ZeRO-2 (ds_configs/zero2.json): the 4-bit base is "
-            "a quarter of its bf16 size on every GPU, and the adapters' states are partitioned"
-        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -195,12 +141,12 @@ def trainable_count(model) -> tuple[int, int]:
     return num_params(model, trainable_only=True), num_params(model)
 
 
-def export_adapter(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
+def export_adapter(engine, tokenizer, out_dir: Path, rank: int) -> None:
     """output_dir becomes a PEFT adapter directory: adapter_config.json, adapter_model.safetensors, the
     tokenizer. `PeftModel.from_pretrained(base, out_dir)` loads it."""
     import torch
 
-    sd = gathered_parameters(engine.module, zero3, rank, trainable_only=True)
+    sd = gathered_parameters(engine.module, rank, trainable_only=True)
     if rank == 0:
         engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
@@ -229,12 +175,12 @@ def peft_model_from(config, trainable: dict, dtype):
     return model
 
 
-def export_merged(engine, tokenizer, out_dir: Path, zero3: bool, rank: int, dtype) -> None:
+def export_merged(engine, tokenizer, out_dir: Path, rank: int, dtype) -> None:
     """`--merge_lora`: the pretrained base with the trained adapter merged in, saved as a plain HF model.
     Only the adapter is gathered; rank 0 loads the base from where the adapter config says it is."""
     import torch
 
-    sd = gathered_parameters(engine.module, zero3, rank, trainable_only=True)
+    sd = gathered_parameters(engine.module, rank, trainable_only=True)
     if rank == 0:
         merged = peft_model_from(engine.module.peft_config["default"], sd, dtype).merge_and_unload()
         merged.config.use_cache = True
@@ -254,15 +200,64 @@ def load_for_inference(path: Path, dtype, as_trained: bool = True, load_in_4bit:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .model import quantized_load
-
     base_name = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype, **quantized_load(load_in_4bit, dtype))
     # the adapter in the dtype it was trained in (peft would upcast a 16-bit one to fp32): the engine's numerics
     return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=not as_trained).eval()
 
 
-def changed_settings(previous: dict, signature: dict) -> list[str]:
-    """The adapter settings that differ between a saved run and this launch (a resume cannot change them:
-    the checkpoint holds tensors of the old adapter's shapes)."""
-    return [k for k in SETTINGS if previous.get(k) != signature.get(k)]
+class Lora(FullFineTuning):
+    """LoRA adapters on a frozen pretrained base (peft), under every ZeRO stage."""
+
+    name = "lora"
+
+    def check(self, model_config) -> None:
+        check(self.cfg, model_config)  # a target the model lacks fails here, on the meta model
+
+    def wrap(self, model, log):
+        cfg = self.cfg
+        model = wrap(model, cfg)
+        trainable, total = trainable_count(model)
+        log(
+            f"lora: r {cfg.lora_r}, alpha {cfg.lora_alpha:g} on {', '.join(cfg.lora_target_modules)}; trains "
+            f"{trainable:,} of {total:,} parameters ({100 * trainable / total:.2f} %), the base frozen"
+        )
+        return model
+
+    def files_writer(self, engine, tokenizer):
+        write_model_files = super().files_writer(engine, tokenizer)
+
+        def write(out_dir):
+            write_model_files(out_dir)
+            engine.module.peft_config["default"].save_pretrained(str(out_dir))
+
+        return write
+
+    def export(self, engine, tokenizer, out_dir: Path, rank: int, dtype, log) -> None:
+        if self.cfg.merge_lora:
+            export_merged(engine, tokenizer, out_dir, rank, dtype)
+            log(f"export: the adapter merged into its base; AutoModelForCausalLM.from_pretrained('{out_dir}') loads it")
+        else:
+            export_adapter(engine, tokenizer, out_dir, rank)
+            log(f"export: a PEFT adapter; PeftModel.from_pretrained(base, '{out_dir}') loads it onto its base")
+
+    def reload(self, out_dir: Path, dtype):
+        if is_adapter_dir(out_dir):
+            return load_for_inference(out_dir, dtype, load_in_4bit=self.cfg.load_in_4bit)
+        return super().reload(out_dir, dtype)
+
+    def resume_refusal(self, saved: dict, ranks: str) -> Optional[str]:
+        return (
+            f"this LoRA run was saved by {ranks} with ZeRO-{saved['zero_stage']}; its checkpoint "
+            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
+            f"Resume with {ranks} and ZeRO-{saved['zero_stage']}"
+        )
+
+
+class QLora(Lora):
+    """LoRA on a base whose linear weights bitsandbytes holds in 4-bit NF4."""
+
+    name = "qlora"
+
+    def load_kwargs(self, dtype) -> dict:
+        return quantized_load(True, dtype)

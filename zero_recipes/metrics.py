@@ -132,7 +132,8 @@ def report_targets(report_to: list[str]) -> list[str]:
     TensorBoard included; it is in requirements.txt) must be installed: the error names the install."""
     import importlib.util
 
-    from .config import TRACKERS, ConfigError
+    from .config import TRACKERS
+    from .errors import ConfigError
 
     wanted = [] if "none" in report_to else list(TRACKERS) if "all" in report_to else list(report_to)
     for name in wanted:  # each tracker's package has its name

@@ -8,8 +8,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
-from .cli import parse_model_config
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig, parse_model_config
+from .errors import ConfigError
 
 TINY_LLAMA = dict(
     model_type="llama",
@@ -162,9 +162,10 @@ def count_params_meta(config) -> int:
     return num_params(meta_model(config))
 
 
-def build_model(cfg: TrainConfig, config, dtype, rank: int):
+def build_model(cfg: TrainConfig, config, dtype, rank: int, load_kwargs: dict | None = None):
     """Pretrained weights or a seeded random init. The caller keeps an `HfDeepSpeedConfig` alive, so
-    under ZeRO-3 transformers builds inside `zero.Init` and each rank only ever holds its partition."""
+    under ZeRO-3 transformers builds inside `zero.Init` and each rank only ever holds its partition.
+    `load_kwargs`: the adapter's extra from_pretrained arguments (adapter.FullFineTuning.load_kwargs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -176,7 +177,7 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int):
                 config=config,
                 dtype=dtype,
                 trust_remote_code=cfg.trust_remote_code,
-                **quantized_load(cfg.load_in_4bit, dtype),
+                **(load_kwargs or {}),
             )
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load model '{cfg.model_name_or_path}': {str(e).splitlines()[0]}") from None
@@ -254,125 +255,6 @@ def partition_numel(model) -> int:
         p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
         for p in {id(p): p for p in model.parameters()}.values()
     )
-
-
-def full_state_dict(engine, zero3: bool, rank: int) -> Optional[dict]:
-    """The trained weights as a CPU state dict on rank 0 (None elsewhere). Under ZeRO-3 each parameter is
-    gathered in turn, so no rank ever holds more than one full tensor on the device; ZeRO-3 saves with
-    empty placeholder weights (LLaMA-Factory #253) come from skipping this. Under tensor parallelism each
-    layer's shards are gathered too: a shard is never written as if it were the whole weight."""
-
-    module = engine.module
-    if not zero3 and not tensor_parallel(module):
-        if rank != 0:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    sd = gathered_parameters(module, zero3, rank)
-    if rank == 0:
-        for name, buf in module.named_buffers():
-            if buf is not None:
-                sd[name] = buf.detach().cpu().clone()
-        # drop non-persistent buffers (e.g. rotary inv_freq) that state_dict() would not contain
-        persistent = set(module.state_dict().keys())
-        sd = {k: v for k, v in sd.items() if k in persistent}
-    return sd
-
-
-def tensor_parallel(module) -> bool:
-    """Whether AutoTP has split this model's layers (its parameters are then shards)."""
-    from deepspeed.module_inject.layers import DS_IS_REPLACED_MODULE
-
-    return any(getattr(p, DS_IS_REPLACED_MODULE, False) for p in module.parameters())
-
-
-def gathered_parameters(module, zero3: bool, rank: int, trainable_only: bool = False) -> Optional[dict]:
-    """The parameters (or only the trainable ones: a LoRA adapter), full-size, on rank 0's CPU; None elsewhere.
-    One layer at a time: its ZeRO-3 partitions are gathered (without that a ZeRO-3 save writes the empty
-    placeholders), then its AutoTP shards (DeepSpeed's GatherReplacedLayerParams, which takes the layer's
-    [weight, bias] in order and re-splits them on exit), so no rank holds more than one full layer.
-    Collective under ZeRO-3 and tensor parallelism: every rank walks the same layers."""
-    import torch
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
-    sd, seen = ({} if rank == 0 else None), set()
-    for prefix, owner in module.named_modules():
-        params = list(owner.parameters(recurse=False))
-        wanted = [p for p in params if p.requires_grad or not trainable_only]
-        if not wanted:
-            continue
-        zero_gather = nullcontext()
-        if zero3:
-            import deepspeed
-
-            zero_gather = deepspeed.zero.GatheredParameters(wanted, modifier_rank=None)
-        with zero_gather, GatherReplacedLayerParams(params, owner, enabled=True):
-            if rank != 0:
-                continue
-            for name, param in owner.named_parameters(recurse=False):
-                if id(param) in seen or (trainable_only and not param.requires_grad):
-                    continue  # a tied weight is stored once, under its first name (as named_parameters does)
-                seen.add(id(param))
-                sd[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
-    if zero3 or tensor_parallel(module):
-        torch.distributed.barrier()
-    return sd
-
-
-def hf_files_writer(model_config, tokenizer):
-    """What makes a weights file a model directory: config, generation config, tokenizer."""
-
-    def write(out_dir: Path) -> None:
-        from transformers import GenerationConfig
-
-        out_dir.mkdir(parents=True, exist_ok=True)
-        import copy
-
-        config = copy.deepcopy(model_config)
-        config.use_cache = True
-        config.save_pretrained(out_dir)
-        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-
-    return write
-
-
-def export_hf_model(engine, tokenizer, out_dir: Path, zero3: bool, rank: int) -> None:
-    """Leave a complete HF model directory in `out_dir`, as the HF Trainer does."""
-    import torch
-
-    sd = full_state_dict(engine, zero3, rank)
-    if rank == 0:
-        model = engine.module
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-    torch.distributed.barrier()
-
-
-def verify_export(engine, out_dir: Path, probe, rank: int, dtype, load_in_4bit: bool = False) -> Optional[float]:
-    """Reload `out_dir` on rank 0 with plain `from_pretrained` and return the max |logit difference|
-    against the engine on the same input (all ranks run the engine: ZeRO-3 forwards are collective)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    engine.eval()
-    with torch.no_grad():
-        ref = engine(input_ids=probe).logits.float().cpu()
-    diff = None
-    if rank == 0:
-        from . import lora
-
-        unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
-        if lora.is_adapter_dir(out_dir):
-            reloaded = lora.load_for_inference(out_dir, dtype, load_in_4bit=load_in_4bit)
-        else:
-            reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
-        with torch.no_grad():
-            got = reloaded(input_ids=probe).logits.float()
-        diff = (got - ref).abs().max().item()
-    torch.distributed.barrier()
-    return diff
 
 
 def enable_checkpointing(model) -> None:

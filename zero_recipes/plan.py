@@ -17,9 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed, ds_config, hub, lm_loss, model as modeling, parallel, sequence_parallel
-from .cli import parse_args, parse_inline_or_file, parse_model_config
-from .config import RUN_CONTROL_FIELDS, ConfigError, TrainConfig
+from . import combinations, distributed, ds_config, hub, lora_options, model as modeling, modes
+from .axis import Parallelism
+from .cli import parse_args
+from .config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
+from .ds_facts import precision, zero_stage
+from .errors import ConfigError
+from .mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,8 @@ class RunPlan:
     """What resolution decided on the user's behalf (adopted values), printed at launch."""
     model_config: Any
     """The HF model config; sized to the tokenizer's vocabulary by `complete`."""
-    mesh: parallel.Mesh
-    """How the ranks split: data-parallel replicas x tensor-parallel groups."""
+    mesh: Mesh
+    """How the ranks split: data-parallel replicas x tensor- or sequence-parallel groups."""
     signature: dict
     """What makes two launches the same run (see run_dir.check_output_dir)."""
     total_steps: Optional[int] = None
@@ -47,10 +51,10 @@ class RunPlan:
         raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
         model_config, notes = hub.dry_run_model_config(cfg) if cfg.dry_run else (modeling.load_model_config(cfg), ())
         world = distributed.rank_info()[2]
-        group = parallel.Mesh.of(1, raw)
+        group = Mesh.of(1, raw)
         if cfg.dry_run and world == 1 and group.group > 1:  # `python train.py --dry_run` on a login node
             world = group.group
-            kind = "tensor-parallel" if group.tp > 1 else "sequence-parallel"
+            kind = next(f"{axis}-parallel" for axis, n in group.sizes.items() if n > 1)
             notes += (
                 f"dry run without a launcher: planned for {world} ranks (one {kind} group); set WORLD_SIZE "
                 "(and LOCAL_WORLD_SIZE, the GPUs per node) to plan the real mesh",
@@ -58,10 +62,12 @@ class RunPlan:
         resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
         cfg = resolved.cfg
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
-        mesh = parallel.Mesh.of(world, resolved.ds)
-        notes += resolved.notes + parallel.check_tensor_parallel(mesh, model_config, resolved.ds, cfg)
-        notes += sequence_parallel.check(mesh, model_config, resolved.ds, cfg, lm_loss.knows_head(model_config))
-        modeling.check_attention(model_config)  # after the SP checks: they name the attention SP needs
+        mesh = Mesh.of(world, resolved.ds)
+        adapter = lora_options.adapter_name(cfg)
+        combinations.refuse(combinations.modes(mesh.sizes, zero_stage(resolved.ds), adapter))
+        notes += resolved.notes + modes.parallelism_for(mesh).check(model_config, resolved.ds, cfg)
+        modeling.check_attention(model_config)  # after the axes' checks: they name the attention SP needs
+        modes.adapter_for(cfg).check(model_config)  # a LoRA target the model lacks fails here, on the meta model
         return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
     def complete(self, total_steps: int, tokenizer=None) -> RunPlan:
@@ -105,11 +111,21 @@ class RunPlan:
 
     @property
     def zero_stage(self) -> int:
-        return ds_config.zero_stage(self.ds)
+        return zero_stage(self.ds)
 
     @property
     def precision(self) -> str:
-        return ds_config.precision(self.ds)
+        return precision(self.ds)
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The run's parallel axes (modes.AXES), picked once from the mesh."""
+        return modes.parallelism_for(self.mesh)
+
+    @property
+    def adapter(self):
+        """How the model is adapted (modes.ADAPTERS: full fine-tuning, LoRA, QLoRA), picked from the config."""
+        return modes.adapter_for(self.cfg)
 
     @property
     def global_batch(self) -> int:

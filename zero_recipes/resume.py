@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume, set_rng_state
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
@@ -178,12 +178,8 @@ def check_resume_layout(request: Optional[str], plan) -> None:
     saved = layout_change(where, plan.mesh, plan.zero_stage) if where else None
     if saved is None:
         return
-    if plan.cfg.lora_r > 0:
-        raise ConfigError(
-            f"this LoRA run was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}; its checkpoint "
-            "leaves the frozen base out, which DeepSpeed's universal checkpoint conversion does not handle. "
-            f"Resume with {ranks(saved)} and ZeRO-{saved['zero_stage']}"
-        )
+    if refusal := plan.adapter.resume_refusal(saved, ranks(saved)):
+        raise ConfigError(refusal)
     if plan.cfg.streaming:
         raise ConfigError(
             f"this streamed run was saved by {ranks(saved)}; a stream's per-rank "
@@ -205,7 +201,7 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     saved = layout_change(where, plan.mesh, plan.zero_stage)
     if saved is None:
         return ResumePlan(where, where)
-    now = {"world": plan.mesh.dp, "tensor_parallel": plan.mesh.tp, "sequence_parallel": plan.mesh.sp}
+    now = plan.mesh.layout()
     log(
         f"resume: {where[1]} was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}, this run has "
         f"{ranks(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import latest_tag
-from .config import ConfigError
+from .errors import ConfigError
+from .lora_options import changed_settings
 
 RUN_CONFIG = "run_config.json"
 MANIFEST = "run_files.json"  # the top-level entries this project wrote; only these may ever be removed
@@ -144,8 +145,6 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
     if same:
         return resume or ("auto" if latest_tag(output_dir) else None)
     if resume is not None:
-        from .lora import changed_settings
-
         if lora_changed := changed_settings(previous or {}, signature):
             raise ConfigError(
                 f"output_dir {output_dir} holds a LoRA run with other adapter settings ({', '.join(lora_changed)}); "

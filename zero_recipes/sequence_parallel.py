@@ -24,12 +24,69 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from . import packed_attention
-from .config import ConfigError
+from .axis import ParallelAxis
+from .ds_facts import zero_stage
+from .errors import ConfigError
 
 ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses runs on: kernels that take no s x s mask (eager needs one and DeepSpeed rejects it)."""
 
 KEEP_PACKED_APART = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def adopt_llamafactory_sequence_parallel(ds: dict) -> tuple[str, ...]:
+    """LLaMA-Factory's `"sequence_parallel": {"enabled", "size", "mode"}` block (its own code reads it,
+    DeepSpeed does not) becomes DeepSpeed's `sequence_parallel_size`, so its ALST configs run unchanged."""
+    block = ds.get("sequence_parallel")
+    if not isinstance(block, dict):
+        return ()
+    ds.pop("sequence_parallel")
+    if not block.get("enabled"):
+        return ('dropped LLaMA-Factory\'s disabled "sequence_parallel" block',)
+    mode, size = str(block.get("mode", "ulysses")).lower(), block.get("size")
+    if mode != "ulysses" or not isinstance(size, int) or size < 1:
+        raise ConfigError(
+            f'"sequence_parallel" (LLaMA-Factory\'s block) asks for mode {mode!r}, size {size!r}: train.py runs '
+            'DeepSpeed\'s Ulysses only; replace the block with "sequence_parallel_size": N'
+        )
+    if ds.get("sequence_parallel_size", size) != size:
+        raise ConfigError(
+            f'"sequence_parallel" says size {size} but sequence_parallel_size is {ds["sequence_parallel_size"]}; '
+            "keep one of them"
+        )
+    ds["sequence_parallel_size"] = size
+    return (f'LLaMA-Factory\'s "sequence_parallel" block read as DeepSpeed\'s "sequence_parallel_size": {size}',)
+
+
+class SequenceParallel(ParallelAxis):
+    name = "sequence"
+    owns_attention = True  # register_ulysses wraps the kernel (and packed_attention under it)
+    counts_tokens = True  # per-slice means would weight the slices of a row unequally
+
+    @staticmethod
+    def adopt(ds: dict) -> tuple[str, ...]:
+        return adopt_llamafactory_sequence_parallel(ds)
+
+    def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
+        from .lm_loss import knows_head
+
+        return check(self.mesh, model_config, ds, cfg, knows_head(model_config))
+
+    def before_build(self, cfg, model_config, log) -> None:
+        """Ulysses goes into transformers' attention table before the model is built."""
+        sp = self.mesh.sp
+        register_ulysses(cfg, model_config, self.mesh)
+        log(
+            f"sequence parallelism: each rank trains {cfg.block_size // sp} of every {cfg.block_size} tokens; "
+            f"attention all-to-alls to whole sequences with 1/{sp} of the heads (DeepSpeed Ulysses)"
+        )
+
+    def mpu(self):
+        return deepspeed_mpu()
+
+    def shard(self, batch: dict, rank: int) -> dict:
+        """This rank's slice of each row: the SP group's ranks hold the same rows."""
+        return shard(batch, self.mesh.sp_rank(rank), self.mesh.sp)
 
 
 def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...]:
@@ -39,7 +96,7 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
         return ()
     sp, text = mesh.sp, model_config.get_text_config()
     kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    _check_split(sp, text.num_attention_heads, kv, cfg.block_size)
+    check_split(sp, text.num_attention_heads, kv, cfg.block_size)
     _check_training(sp, model_config, ds, cfg, known_head)
     notes = []
     if sp > kv:
@@ -47,8 +104,11 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
     return tuple(notes)
 
 
-def _check_split(sp: int, heads: int, kv: int, block_size: int) -> None:
-    """Ulysses splits heads after its all-to-all and every sequence before it: both must divide."""
+def check_split(
+    sp: int, heads: int, kv: int, block_size: int, length: str = "block_size", flag: str = "--block_size"
+) -> None:
+    """Ulysses splits heads after its all-to-all and every sequence before it: both must divide. `length`
+    names the sequence length in the refusal (the memory estimate says "the sequence length")."""
     if heads % sp:
         raise ConfigError(
             f"sequence_parallel_size = {sp} does not divide the model's {heads} attention heads; use a size that "
@@ -61,13 +121,14 @@ def _check_split(sp: int, heads: int, kv: int, block_size: int) -> None:
         )
     if block_size % sp:
         raise ConfigError(
-            f"sequence_parallel_size = {sp} does not divide block_size {block_size}: each rank takes an equal "
-            f"slice of every sequence; use --block_size {block_size - block_size % sp or sp}"
+            f"sequence_parallel_size = {sp} does not divide {length} {block_size}: each rank takes an equal "
+            f"slice of every sequence; use {flag} {block_size - block_size % sp or sp}"
         )
 
 
 def _check_training(sp: int, model_config, ds: dict, cfg, known_head: bool) -> None:
-    """What trains wrongly or crashes under Ulysses: the attention kernel, packing, ZeRO-0, LoRA, the head."""
+    """What trains wrongly or crashes under Ulysses: the attention kernel, packing, reduce_scatter, the head
+    (ZeRO-0 and LoRA are combinations.py's refusals)."""
     attn = cfg.attn_implementation
     if attn not in ATTENTION:
         raise ConfigError(
@@ -80,25 +141,12 @@ def _check_training(sp: int, model_config, ds: dict, cfg, known_head: bool) -> N
             "causal mask over the whole row, so packed examples would attend to each other; use --attn_implementation "
             "sdpa or flash_attention_2, or --packing false"
         )
-    from .ds_config import zero_stage  # here: ds_config imports parallel, which imports nothing of ours
-
-    if zero_stage(ds) == 0:
-        raise ConfigError(
-            f"sequence_parallel_size = {sp} with ZeRO-0: DeepSpeed's ZeRO-0 bf16 path crashes under sequence "
-            "parallelism (deepspeedai/DeepSpeed#7833) and its checkpoints lack what a universal resume needs; use "
-            "ds_configs/zero1.json (free at one data-parallel replica) or zero3.json"
-        )
     zero = ds.get("zero_optimization") or {}
     if zero_stage(ds) == 3 and zero.get("reduce_scatter") is False:
         raise ConfigError(
             f"sequence_parallel_size = {sp} with ZeRO-3 and reduce_scatter false: DeepSpeed then averages small "
             "gradient buckets over the data-parallel replicas and large parameters over every rank, so the gradient's "
             "scale would differ per parameter; remove reduce_scatter (true is the default)"
-        )
-    if cfg.lora_r:
-        raise ConfigError(
-            f"sequence_parallel_size = {sp} with LoRA: this combination is not tested here; train LoRA without "
-            "sequence_parallel_size, or fine-tune fully with ds_configs/zero3.json plus the sp fragment"
         )
     if not known_head:
         raise ConfigError(

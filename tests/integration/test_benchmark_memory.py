@@ -5,8 +5,8 @@ themselves are machine-dependent; only their signs, orderings and parities are c
 import json
 import sys
 
+from bench.export import peak_memory
 from helpers import benchmark, run_quick
-from zero_recipes.bench.export import peak_memory
 
 
 def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
@@ -14,7 +14,7 @@ def test_gpu_benchmark_is_prepared_and_refuses_a_cpu():
     proc = benchmark("gpu", "--out-dir", "/nonexistent", timeout=120)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0]
-    from zero_recipes.bench.gpu import CONFIGS, predicted
+    from bench.gpu import CONFIGS, predicted
 
     pred = {name: predicted(files) for name, files in CONFIGS.items()}
     assert pred["zero3+offload_optimizer"] < pred["zero2"] < 139 * 2**30  # fits an H200; offload saves memory

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, SMALL_LLAMA, free_port, small_llama, tool_in_process
-from zero_recipes.ds_config import precision
+from zero_recipes.ds_facts import precision
 from zero_recipes.memory import Launch, estimate, rank_total
 
 NOISE = 0.10  # run-to-run variation of a real DeepSpeed run's peak (see test_model_states_match_real_deepspeed)
@@ -25,7 +25,7 @@ def probe(tmp_path, configs, ranks, micro=1, seq=16):
     proc = subprocess.run(
         launcher
         + [
-            "zero_recipes.bench.memory_probe",
+            "zero_recipes.memory.probe",
             "--deepspeed",
             *configs,
             "--model_config",

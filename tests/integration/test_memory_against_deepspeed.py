@@ -18,7 +18,7 @@ from zero_recipes.memory import ModelShape, activation_bytes
 
 # One rank of an AutoTP group, built by real DeepSpeed: its parameter count and shapes, and optionally the peak
 # live bytes of one forward/backward of the split model, measured by the estimate tests' one function
-# (zero_recipes.bench.common.fwd_bwd_peak_bytes: grads dropped as made, allocator events).
+# (zero_recipes.memory.probe.fwd_bwd_peak_bytes: grads dropped as made, allocator events).
 AUTOTP_RANK = r"""
 import json, os, sys
 import torch, torch.distributed as tdist
@@ -30,7 +30,7 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(spec["world"]), LOCAL
 import deepspeed
 from deepspeed.utils import groups
 from transformers import AutoConfig, AutoModelForCausalLM
-from zero_recipes.bench.common import fwd_bwd_peak_bytes
+from zero_recipes.memory.probe import fwd_bwd_peak_bytes
 
 deepspeed.init_distributed(dist_backend="fake")
 groups._init_tp_mesh_device(tensor_model_parallel_size=spec["tp"])

@@ -1,4 +1,4 @@
-"""The timing arithmetic every speed benchmark reports with (zero_recipes/bench/paired.py): rotated rounds,
+"""The timing arithmetic every speed benchmark reports with (tools/bench/paired.py): rotated rounds,
 windows of steps, ratios paired within a round, and the bootstrap interval of their median."""
 
 import random
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from zero_recipes.bench import paired
+from bench import paired
 
 
 def test_rotations_put_every_runner_once_in_each_round_and_each_position_once():

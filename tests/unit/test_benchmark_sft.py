@@ -1,6 +1,6 @@
-"""The SFT benchmark's data and token arithmetic (zero_recipes/bench/sft_data.py), on the batches the three
+"""The SFT benchmark's data and token arithmetic (tools/bench/sft_data.py), on the batches the three
 runners really feed their models: train.py's packed collate, TRL's padding-free collator and the HF Trainer's
-DataCollatorForSeq2Seq; and its summary of measured rounds (zero_recipes/bench/sft.py)."""
+DataCollatorForSeq2Seq; and its summary of measured rounds (tools/bench/sft.py)."""
 
 import statistics
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_recipes.bench import paired, sft, sft_data
+from bench import paired, sft, sft_data
 from zero_recipes.data import packing
 
 PAD = 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from zero_recipes.bench import estimator_public as pub
+from bench import estimator_public as pub
 
 TINY = {
     "model_type": "llama",

@@ -1,12 +1,12 @@
 """The parallel mesh and what tensor parallelism refuses, without a launcher: the arithmetic of
-zero_recipes.parallel, the batch the "auto"s resolve to, and the resume layouts refused up front."""
+zero_recipes.mesh, the batch the "auto"s resolve to, and the resume layouts refused up front."""
 
 import json
 
 import pytest
 from transformers import AutoConfig
 
-from zero_recipes import ds_config, parallel, resume
+from zero_recipes import combinations, ds_config, ds_facts, mesh as parallel, modes, resume, tensor_parallel
 from zero_recipes.config import ConfigError, TrainConfig
 from zero_recipes.model import TINY_LLAMA
 
@@ -35,9 +35,9 @@ def test_picture_puts_each_rank_at_its_coordinates_and_node():
 
 
 def test_tensor_parallel_size_reads_the_autotp_block():
-    assert parallel.tensor_parallel_size({}) == 1
-    assert parallel.tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1
-    assert parallel.tensor_parallel_size(json.loads(open("ds_configs/tp4.json").read())) == 4
+    assert ds_facts.tensor_parallel_size({}) == 1
+    assert ds_facts.tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1
+    assert ds_facts.tensor_parallel_size(json.loads(open("ds_configs/tp4.json").read())) == 4
 
 
 def resolved(world: int, *fragments: str, **fields):
@@ -56,7 +56,7 @@ def test_tp_keeps_the_logits_whole_unless_told_otherwise():
     ds = resolved(2, "ds_configs/zero1.json", "ds_configs/tp2.json")
     assert ds["tensor_parallel"]["vocab_parallel_lm_head"] is False  # a tied head would return V/tp slices
     with pytest.raises(ConfigError, match="vocab_parallel_lm_head = true"):
-        parallel.gather_logits({"autotp_size": 2, "vocab_parallel_lm_head": True})
+        tensor_parallel.gather_logits({"autotp_size": 2, "vocab_parallel_lm_head": True})
     assert "tensor_parallel" not in resolved(2, "ds_configs/zero1.json")
 
 
@@ -67,7 +67,9 @@ def test_a_world_size_the_tp_size_does_not_divide_is_refused():
 
 def check(tp: int, config=TINY, stage: int = 1, **fields):
     ds = {"zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
-    return parallel.check_tensor_parallel(parallel.Mesh(tp, tp), config, ds, TrainConfig(**fields))
+    cfg = TrainConfig(**fields)  # what plan.RunPlan.from_args asks: the modes' pairs, then the axis
+    combinations.refuse(combinations.modes({"tensor": tp}, stage, "lora" if cfg.lora_r else "full"))
+    return tensor_parallel.TensorParallel(parallel.Mesh(tp, tp)).check(config, ds, cfg)
 
 
 def test_heads_and_kv_heads_must_divide():
@@ -83,7 +85,7 @@ def test_a_family_without_a_tp_plan_is_refused_unless_the_config_gives_a_layout(
     with pytest.raises(ConfigError, match="model type 'gpt2' has no tensor-parallel plan"):
         check(2, gpt2)
     ds = {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, "partition_config": {"x": 1}}}
-    parallel.check_tensor_parallel(parallel.Mesh(2, 2), gpt2, ds, TrainConfig())
+    tensor_parallel.TensorParallel(parallel.Mesh(2, 2)).check(gpt2, ds, TrainConfig())
 
 
 def test_zero0_and_lora_are_refused_with_tp():
@@ -95,8 +97,8 @@ def test_zero0_and_lora_are_refused_with_tp():
 
 def test_zero_init_gets_no_train_batch_size_under_tp_only():
     ds = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
-    assert parallel.zero_init_config(ds, parallel.Mesh(2, 2)) == {"zero_optimization": {"stage": 3}}
-    assert parallel.zero_init_config(ds, parallel.Mesh(2, 1)) is ds
+    assert modes.parallelism_for(parallel.Mesh(2, 2)).zero_init_config(ds) == {"zero_optimization": {"stage": 3}}
+    assert modes.parallelism_for(parallel.Mesh(2, 1)).zero_init_config(ds) is ds
 
 
 def saved(tmp_path, **layout):

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zero_recipes import ds_config, packed_attention, parallel, sequence_parallel
+from zero_recipes import combinations, ds_config, ds_facts, mesh as parallel, packed_attention, sequence_parallel
 from zero_recipes.config import ConfigError, TrainConfig
 from zero_recipes.data.packing import collate
 from zero_recipes.model import TINY_LLAMA
@@ -51,7 +51,10 @@ def test_auto_batch_counts_replicas_and_llamafactory_block_is_read():
 
 def check(world=2, sp=2, fragments=("ds_configs/zero3.json",), config=TINY, **fields):
     ds = {**ds_config.load_fragments(list(fragments)), "sequence_parallel_size": sp}
-    cfg = TrainConfig(**{"block_size": 128, **fields})
+    cfg = TrainConfig(
+        **{"block_size": 128, **fields}
+    )  # what plan.RunPlan.from_args asks: the modes' pairs, then the axis
+    combinations.refuse(combinations.modes({"sequence": sp}, ds_facts.zero_stage(ds), "lora" if cfg.lora_r else "full"))
     return sequence_parallel.check(parallel.Mesh(world, sp=sp), config, ds, cfg, known_head=True)
 
 
@@ -83,9 +86,9 @@ def test_reduce_scatter_off_is_refused_under_zero3_and_world_must_divide():
             True,
         )
     with pytest.raises(ConfigError, match="cannot split into sequence-parallel groups of 4"):
-        parallel.check_mesh(parallel.Mesh(6, sp=4))
+        parallel.Mesh(6, sp=4).check()
     with pytest.raises(ConfigError, match="does not combine AutoTP with Ulysses"):
-        parallel.check_mesh(parallel.Mesh(4, tp=2, sp=2))
+        parallel.Mesh(4, tp=2, sp=2).check()
     assert check(world=8, sp=8, config=AutoConfig.for_model(**{**TINY_LLAMA, "num_attention_heads": 8})) != ()
 
 

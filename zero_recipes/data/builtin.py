@@ -11,7 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig
+from ..config import TrainConfig
+from ..errors import ConfigError
 from .cache import cache_root, digest as _digest
 
 # ---- the embedded corpus ---------------------------------------------------------------------------

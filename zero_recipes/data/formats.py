@@ -16,7 +16,7 @@ from itertools import chain
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .options import TokenizeOptions
 
 REQUIRED_COLUMNS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .packing import Samples, collate
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import formats, packing, sources
 from .cache import cache_root, digest, publish, tokenizer_fingerprint
 from .options import DataOptions

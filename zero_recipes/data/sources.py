@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from ..cli import parse_inline_or_file
-from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, ConfigError
+from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, parse_inline_or_file
+from ..errors import ConfigError
 from ..hub import unreachable
 from . import builtin, formats
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import formats, packing, sources
 from .options import DataOptions
 from .pipeline import Prepared

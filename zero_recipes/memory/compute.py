@@ -3,7 +3,7 @@ GPU-hours at an assumed MFU, and energy at board power."""
 
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 # Board power in watts (datasheet TDP/TBP of the SXM or PCIe part named), for energy = power x time.
 BOARD_POWER_W = {

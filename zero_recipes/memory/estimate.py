@@ -12,8 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from ..config import ConfigError
-from ..ds_config import precision as ds_precision
+from .. import combinations
+from ..ds_facts import offloads, precision as ds_precision, zero_stage
+from ..errors import ConfigError
+from ..mesh import Mesh
+from ..sequence_parallel import check_split
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
 from .states import PHASES, Setup, phases
@@ -129,18 +132,15 @@ def estimate(
     Over 60 lines: the phases' device/host split is assembled term by term in one place, so each term's
     source reads next to the others (issue 15 re-derives the GPU split here); only the plumbing (the Setup, the
     traced activations) and the host memory per node, which reads the split's result, are functions apart."""
-    from ..ds_config import offloads, zero_stage
-    from ..parallel import sequence_parallel_size, tensor_parallel_size
-    from . import sequence_parallel
-    from .tensor_parallel import data_parallel
-
-    tp, sp = tensor_parallel_size(ds), sequence_parallel_size(ds)
-    sequence_parallel.check(launch.world, sp, launch.seq_len, tp, zero_stage(ds))
+    mesh = Mesh.of(launch.world, ds)
+    mesh.check()  # what train.py refuses of the mesh, and of its axes with the ZeRO stage, refused the same way
+    combinations.refuse(combinations.modes(mesh.sizes, zero_stage(ds), "full"))
+    tp, sp = mesh.tp, mesh.sp
     if sp > 1:
-        sequence_parallel.check_heads(model_config, sp)
-    # ZeRO's N: it partitions over the data-parallel ranks only under TP, over every rank under SP (DeepSpeed's
-    # seq_data_parallel_group is the world)
-    dp = data_parallel(launch.world, tp)
+        text = model_config.get_text_config()
+        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        check_split(sp, text.num_attention_heads, kv, launch.seq_len, "the sequence length", "--seq_len")
+    dp = mesh.zero_shards  # ZeRO's N
     shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
     if shape.tp != tp:
         raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {tp}")
@@ -313,7 +313,8 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     import torch
 
     try:
-        from ..lora import enabled, lora_config
+        from ..lora import lora_config
+        from ..lora_options import enabled
 
         e = estimate(
             model_config,

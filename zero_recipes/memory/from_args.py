@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
 
@@ -16,8 +16,10 @@ LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "
 def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo: dict | None = None):
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing. `memo`
     (see `loader`) keeps the model config of arguments already read."""
-    from .. import ds_config, lm_loss, parallel, sequence_parallel
+    from .. import combinations, ds_config, lora_options, modes
     from ..cli import parse_args
+    from ..ds_facts import zero_stage
+    from ..mesh import Mesh
 
     cfg, explicit = parse_args(train_argv(args, deepspeed, micro))
     key = tuple(train_argv(args, [], micro))  # all that decides the model config: the arguments but --deepspeed
@@ -31,10 +33,13 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo:
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
-    mesh = parallel.Mesh.of(world, ds)
-    parallel.check_mesh(mesh)
-    parallel.check_tensor_parallel(mesh, config, ds, cfg)  # what train.py refuses, refused the same way
-    notes += sequence_parallel.check(mesh, config, ds, cfg, lm_loss.knows_head(config))
+    mesh = Mesh.of(world, ds)
+    mesh.check()
+    # what train.py refuses, refused the same way; but the estimate sizes QLoRA under ZeRO-3 as well, which
+    # train.py refuses (as before: issue 30 changed no output of the estimator)
+    active = combinations.modes(mesh.sizes, zero_stage(ds), lora_options.adapter_name(cfg))
+    combinations.refuse({mode: n for mode, n in active.items() if mode != "qlora"})
+    notes += modes.parallelism_for(mesh).check(config, ds, cfg)
     return cfg, config, ds, notes
 
 

@@ -96,7 +96,7 @@ def longest_rows(
     "longest_sequence": what was searched, the rows, and notes about them."""
     import tempfile
 
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from .estimate import Launch
 
     shape = _shape(config)

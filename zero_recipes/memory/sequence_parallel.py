@@ -20,42 +20,6 @@ world-sized ZeRO group, not divided further by N.
 
 from __future__ import annotations
 
-from ..config import ConfigError
-
-
-def check(world: int, sp: int, seq_len: int, tp: int = 1, stage: int | None = None) -> None:
-    """What train.py refuses about the mesh and the sequence, refused the same way (sequence_parallel.check)."""
-    if sp == 1:
-        return
-    if tp > 1:
-        raise ConfigError(
-            f"tensor_parallel.autotp_size = {tp} with sequence_parallel_size = {sp}: train.py does not combine "
-            "AutoTP with Ulysses; estimate one of them"
-        )
-    if world % sp:
-        raise ConfigError(
-            f"{world} rank(s) cannot split into sequence-parallel groups of {sp}: the world size must be a multiple "
-            "of sequence_parallel_size"
-        )
-    if seq_len % sp:
-        raise ConfigError(
-            f"sequence_parallel_size = {sp} does not divide the sequence length {seq_len}: each rank takes an "
-            "equal slice of every sequence"
-        )
-    if stage == 0:
-        raise ConfigError(f"sequence_parallel_size = {sp} with ZeRO-0: train.py refuses it; use ZeRO-1, 2 or 3")
-
-
-def check_heads(config, sp: int) -> None:
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % sp or (kv % sp and sp % kv):
-        raise ConfigError(
-            f"sequence_parallel_size = {sp} with {heads} attention and {kv} key-value heads: the size must divide "
-            "the attention heads, and divide or be a multiple of the key-value heads"
-        )
-
 
 class _Exchange:
     """An all-to-all's memory in one process: a new buffer of the input's size forward, and another for the

@@ -5,7 +5,7 @@ Two accountings, because host and device are one pool on the CPU accelerator and
 - `gpu_phases`: what lives on the GPU and what on the host, term by term from DeepSpeed 0.19.8's code (each
   term cites the file and function that allocates it). This is what tools/estimate_memory.py reports.
 - `cpu_phases`: the one-pool totals, checked against the torch profiler's allocator events of real DeepSpeed
-  runs on the CPU accelerator (zero_recipes/bench/memory_probe.py, N = 1, 2, 4 ranks; benchmarks/estimator.md);
+  runs on the CPU accelerator (zero_recipes/memory/probe.py, N = 1, 2, 4 ranks; benchmarks/estimator.md);
   the constants that are measured rather than derived say so. It checks the sums, not the device/host split.
 
 p: bytes of a training parameter (2 in bf16/fp16, 4 in fp32). N: data-parallel ranks. F: the largest

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import shipped
+from ..ds_facts import precision as ds_precision
 from .longest import LONGEST_GPUS, longest_rows
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -61,9 +62,9 @@ def gpu_counts(num_gpus: int | None, table_gpus: tuple | str | None) -> tuple[tu
 
 def lora_of(cfg):
     """The run's peft LoraConfig (zero_recipes.lora.lora_config, as train.py wraps the model), or None."""
-    from .. import lora
+    from .. import lora, lora_options
 
-    return lora.lora_config(cfg) if lora.enabled(cfg) else None
+    return lora.lora_config(cfg) if lora_options.enabled(cfg) else None
 
 
 def table_variants(cfg, config, precision: str) -> list[dict]:
@@ -97,10 +98,11 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
 
 def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tuple, progress) -> list[dict]:
     """Full fine-tuning under each TP size that divides one of `counts` (a TP group within a node) and this model
-    can be split by (train.py's own check, parallel.py `check_tensor_parallel`: a TP plan, heads divisible, no
-    LoRA); the sizes it cannot take are a note."""
-    from .. import parallel
-    from ..config import ConfigError
+    can be split by (train.py's own check, tensor_parallel.py `check_split`: a TP plan, heads divisible; LoRA
+    does not combine with TP); the sizes it cannot take are a note."""
+    from ..errors import ConfigError
+    from ..mesh import Mesh
+    from ..tensor_parallel import TensorParallel
 
     if cfg.lora_r:
         return []
@@ -109,7 +111,7 @@ def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tupl
         try:
             # as its cells will run: ZeRO-1 at least (TP_CONFIGS), at this TP size
             tried = {**ds, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}
-            parallel.check_tensor_parallel(parallel.Mesh(tp, tp), config, tried, cfg)
+            TensorParallel(Mesh(tp, tp)).check(config, tried, cfg)
         except ConfigError as err:
             refused.append(f"{tp} ({str(err).split(': ', 1)[-1].split(';')[0]})")
             continue
@@ -164,7 +166,6 @@ def table(
     CLI prints it while the search runs."""
     import tempfile
 
-    from ..ds_config import precision as ds_precision
     from .precision import FP32_ASSUMED, statement
 
     progress = progress or (lambda text: None)

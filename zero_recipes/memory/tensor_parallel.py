@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..model import num_params
 
 
@@ -137,14 +137,3 @@ def local_config(config, tp: int, vocab_parallel: bool = False):
     if vocab_parallel:
         text.vocab_size = _shard(text.vocab_size, tp)
     return c
-
-
-def data_parallel(world: int, tp: int) -> int:
-    """ZeRO partitions over the data-parallel ranks only (DeepSpeed's (data, tensor) mesh,
-    utils/groups.py `_init_tp_mesh_device`): world // tp, refused when tp does not divide the world."""
-    if tp < 1 or world % tp:
-        raise ConfigError(
-            f"{world} rank(s) cannot split into tensor-parallel groups of {tp}: the world size must be a multiple "
-            "of tensor_parallel.autotp_size"
-        )
-    return world // tp

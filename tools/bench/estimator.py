@@ -1,6 +1,6 @@
 """The estimator benchmark: tools/estimate_memory.py's prediction against real DeepSpeed runs on the CPU.
 
-Each point launches zero_recipes/bench/memory_probe.py through the real launcher (1, 2 or 4 CPU ranks), which
+Each point launches zero_recipes/memory/probe.py through the real launcher (1, 2 or 4 CPU ranks), which
 records every allocation of the CPU allocator during init, forward/backward and the optimizer step. On
 the CPU accelerator device and host are one pool, so the comparison is measured peak vs the estimate's
 device + host bytes of one rank, at the phase where the measurement peaked, for the most loaded rank.
@@ -29,36 +29,8 @@ from pathlib import Path
 from zero_recipes.shipped import PRECISIONS, select
 
 from .common import REPO, free_port, new_report, run_checked, write_report
+from .estimator_report import MODELS, long_options, markdown
 
-MODELS: dict = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
-    "B": {
-        "hidden_size": 512,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "intermediate_size": 1376,
-        "vocab_size": 16000,
-    },
-    "T": {  # the embedded tiny Llama (model.TINY_LLAMA) with a 128k vocabulary: the loss region dominates
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 352,
-        "vocab_size": 131072,
-        "max_position_embeddings": 4096,
-    },
-    "A": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 688,
-        "vocab_size": 8000,
-    },
-}
-# B with room for 4096 positions (the probe's embedded base allows 1024): the long-context points
-MODELS["L"] = {**MODELS["B"], "max_position_embeddings": 4096}
 CONFIGS = select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all")
 # (model, config, precision, ranks, micro-batch, seq len, gradient checkpointing)
 POINTS = [
@@ -118,7 +90,6 @@ LONG_POINTS = [
 ]
 POINTS += LONG_POINTS
 QUICK = [("A", "zero2", "bf16", 2, 2, 128, False), ("A", "zero3", "fp32", 1, 2, 128, True)]
-TARGET = {"over": 0.10, "under": 0.05}
 
 
 def pretrained(model: str, tmp: Path) -> Path:
@@ -137,11 +108,6 @@ def pretrained(model: str, tmp: Path) -> Path:
 def unpack(point):
     """(model, config, precision, ranks, micro, seq, gc, lora or None, tensor-parallel size, long-context options)."""
     return (*point, *(None, 1, None)[len(point) - 7 :])
-
-
-def long_options(long: dict | None) -> dict:
-    """A point's SP size and train.py's tiling flags, defaults filled (train.py's: loss tiled, MLP not)."""
-    return {"sp": 1, "tiled_loss": True, "tiled_mlp": False, **(long or {})}
 
 
 def tp_fragment(tp: int, tmp: Path) -> list[str]:
@@ -180,7 +146,7 @@ def probe(point, tmp: Path) -> dict:
     cmd = (
         launcher
         + [
-            "zero_recipes.bench.memory_probe",
+            "zero_recipes.memory.probe",
             "--deepspeed",
             *files,
             *source,
@@ -258,8 +224,6 @@ SECTIONS = ("full", "lora", "tp", "long")
 
 
 def cmd_estimator(args) -> int:
-    from .estimator_report import markdown
-
     points = QUICK if args.quick else [p for p in POINTS if kind(p) == args.only] if args.only else POINTS
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-estimator-"))
     rows = []

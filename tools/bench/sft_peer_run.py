@@ -1,6 +1,6 @@
 """The SFT benchmark's two peers, run the way their users run them, on train.py's flags:
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.sft_peer_run --peer trl <train.py flags> \
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_peer_run --peer trl <train.py flags> \
         --probe_out P --eval_file E [--prompt_completion_file F]
 
 - `--peer trl`: TRL's SFTTrainer with packing as its docs recommend (`packing=True`: best-fit decreasing

@@ -88,7 +88,7 @@ def run_variant(base: str, fragment: dict, size: dict, out: Path) -> dict:
 
 
 def stop_check_seconds(calls: int) -> float:
-    """Median seconds of one StopRequest.agreed() across 2 ranks (zero_recipes/bench/stop_probe.py)."""
+    """Median seconds of one StopRequest.agreed() across 2 ranks (tools/bench/stop_probe.py)."""
     out = Path(tempfile.mkdtemp(prefix="zr-bench-stop-")) / "stop.json"
     run_checked(
         [
@@ -98,7 +98,7 @@ def stop_check_seconds(calls: int) -> float:
             "--master_port",
             str(free_port()),
             "--module",
-            "zero_recipes.bench.stop_probe",
+            "bench.stop_probe",
             str(out),
             str(calls),
         ],

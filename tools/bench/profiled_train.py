@@ -1,10 +1,10 @@
 """train.py's own main(), run under torch.profiler's allocator events, for a per-rank peak memory.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.profiled_train <train.py's flags> --probe_out /tmp/p
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.profiled_train <train.py's flags> --probe_out /tmp/p
 
 Nothing in the run changes: train.py is loaded from the repository root and its main() called with the same
 flags. Every allocation and free of torch's CPU allocator is a profiler event, so the live bytes at each
-moment are their running sum (the method of zero_recipes/bench/memory_probe.py): exact for torch tensors
+moment are their running sum (the method of zero_recipes/memory/probe.py): exact for torch tensors
 (DeepSpeed's flat buffers and optimizer states, gloo's staging tensors, torch.save's copies), blind to
 non-torch memory (the Python heap, libraries). Two calls are marked with record_function, so the peak is also
 split by phase: each optimizer step (loop.train_step) and each checkpoint save (Checkpointer.save), which is
@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO, allocator_events
+from zero_recipes.memory.probe import allocator_events
+
+from .common import REPO
 from .workload import pop_flag
 
 PHASES = ("train_step", "save")

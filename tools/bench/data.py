@@ -19,9 +19,9 @@ from itertools import chain
 from pathlib import Path
 
 from .common import REPO, environment, free_port, quiet, run_checked, write_report
+from .data_report import BLOCK, markdown
 
 BENCHMARK_PY = REPO / "tools" / "benchmark.py"
-BLOCK = 1024
 TARGET_TOKENS = 10_000_000  # prep throughput corpus
 FIRST_STEP_TOKENS = 100_000_000  # time-to-first-step corpus: a modest real fine-tuning/pretraining set
 GOALS = {"prep_ratio": 2.0, "first_step_ratio": 0.10, "packing": 0.95}
@@ -305,8 +305,6 @@ def packing_utilisation(tmp: Path, corpus: str) -> dict:
 
 
 def cmd_data(args) -> int:
-    from .data_report import markdown
-
     num_proc = args.num_proc or len(os.sched_getaffinity(0))
     pairs = args.pairs or (1 if args.quick else 3)
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-data-"))

@@ -11,7 +11,7 @@ on 4 ranks (micro-batch m). Timed rounds rotate the order (A B C D, B C D A, ...
 hits all alike; each configuration's ratio to ZeRO-2 is taken within a round, then summarised over rounds.
 tokens/s: train.py's own per-step records in metrics.jsonl (counted once per TP group), the first `skip`
 steps (warm-up) left out. Per-rank peak memory: one more run per configuration under
-zero_recipes/bench/profiled_train.py (torch.profiler's allocator events, every rank).
+tools/bench/profiled_train.py (torch.profiler's allocator events, every rank).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from zero_recipes.shipped import PRECISIONS, select
 
 from .common import REPO, free_port, new_report, run_checked, write_report
 from .lora import spread
-from .speed import HUNDRED_M
+from .parallel_report import BASELINE, PARITY_TOL, SIZES, markdown
 
 TP2 = "ds_configs/tp2.json"
 _Z = select("zero1", "zero2", "zero3")
@@ -38,14 +38,6 @@ CONFIGS: dict[str, tuple[int, tuple[str, ...], int]] = {
     "ZeRO-3": (2, _Z["zero3"], 1),
     "TP2 x ZeRO-1": (2, (*_Z["zero1"], TP2), 2),
     "TP2 x DP2 (ZeRO-1)": (4, (*_Z["zero1"], TP2), 1),
-}
-BASELINE = "ZeRO-2"
-PARITY_TOL = 1e-5  # fp32, same rows per step: only the summation order differs
-SIZES = {
-    # rounds: timed rounds; profiled_steps: steps of the profiled run (0: none); window = 1 step
-    "cpu": dict(model=HUNDRED_M, block=256, micro=2, steps=8, skip=2, rounds=2, profiled_steps=3),
-    "quick": dict(model=None, block=64, micro=4, steps=3, skip=1, rounds=0, profiled_steps=3),
-    "gpu": dict(model=HUNDRED_M, block=1024, micro=8, steps=40, skip=10, rounds=2, profiled_steps=0),
 }
 
 
@@ -84,7 +76,7 @@ def timed_run(name: str, size: dict, precision: str, out: Path) -> dict:
 def profiled_run(name: str, size: dict, precision: str, out: Path) -> dict:
     """The same launch under the allocator profiler, every rank: its peaks (tokens/s slowed by the profiler)."""
     probe = out.with_name(out.name + "-probe")
-    module = ["--module", "zero_recipes.bench.profiled_train"]
+    module = ["--module", "bench.profiled_train"]
     cmd = launch(name, size, size["profiled_steps"], precision, out, module) + ["--probe_out", str(probe)]
     run = read_run(out, run_checked(cmd, None, 3600, f"{name} (profiled): {' '.join(cmd)}"))
     ranks = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(CONFIGS[name][0])]
@@ -215,8 +207,6 @@ def gpu_commands(size: dict) -> list[str]:
 
 
 def cmd_parallel(args) -> int:
-    from .parallel_report import markdown
-
     precision = "bf16" if args.gpu else "fp32"
     if args.gpu:
         import torch

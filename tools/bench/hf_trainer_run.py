@@ -2,7 +2,8 @@
 same DeepSpeed JSON fragments, model config and seeded init, rows and per-rank order, micro-batch,
 accumulation, steps, optimizer (torch AdamW, the Trainer's default as ours) and schedule as train.py.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.hf_trainer_run <train.py flags> --timing_out t.json [--window 5]
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.hf_trainer_run <train.py flags> --timing_out t.json \
+        [--window 5]
 
 Two things the Trainer needs on a CPU (both seen here): accelerate's PartialState must be created with the
 gloo backend before TrainingArguments, or every rank believes it is rank 0; and its bf16 check assumes a
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from zero_recipes.bench.workload import WindowClock, setup
+from .workload import WindowClock, setup
 
 
 def global_order(w) -> list[int]:

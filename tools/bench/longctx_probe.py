@@ -1,9 +1,9 @@
 """train.py's own main() under torch.profiler's allocator events, with the memory of each step split into
 model states, activations and the loss region, per rank.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.longctx_probe <train.py's flags> --probe_out /tmp/p
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.longctx_probe <train.py's flags> --probe_out /tmp/p
 
-As zero_recipes/bench/profiled_train.py (train.py loaded from the repository root, its main() called with
+As tools/bench/profiled_train.py (train.py loaded from the repository root, its main() called with
 the same flags, every optimizer step marked `phase:train_step`), plus zero-length marks at three points of
 each step, so the live bytes (the running sum of the CPU allocator's events) can be read at them:
 
@@ -25,7 +25,9 @@ import runpy
 import sys
 from pathlib import Path
 
-from .common import REPO, allocator_events
+from zero_recipes.memory.probe import allocator_events
+
+from .common import REPO
 from .profiled_train import instrument, peaks
 from .workload import pop_flag
 

@@ -1,10 +1,10 @@
 """train.py under the SFT benchmark's probe: its own main() with its flags, nothing changed.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.sft_train_run <train.py flags> --probe_out P --eval_file E
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_train_run <train.py flags> --probe_out P --eval_file E
 
 Two of train.py's calls are wrapped to see what the probe needs (the real functions run unchanged):
 `data.prepare`, for the tokenizer (with its chat template) and the pad id, and `model.build_model`, to hook
-the model (zero_recipes/bench/sft_probe.py).
+the model (tools/bench/sft_probe.py).
 """
 
 from __future__ import annotations

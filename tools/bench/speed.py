@@ -5,7 +5,7 @@ in rotated rounds (A B C D, B C D A, ...) and every ratio is the median of windo
 with a bootstrap interval (paired.py), so drift in machine load cancels. All three
 take train.py's flags, build the same model (same config, same seeded init), the same rows in the same
 per-rank order, the same torch AdamW and schedule and the same resolved DeepSpeed config; the baselines
-start from zero_recipes/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
+start from tools/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
 boundary; the first window (warm-up: allocation, first-touch, JIT) is left out.
 """
 
@@ -33,8 +33,8 @@ SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, mic
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
 RUNNERS = {
     "train.py": ["train.py"],
-    "HF Trainer": ["--module", "zero_recipes.bench.hf_trainer_run"],  # after the launcher's flags
-    "bare DeepSpeed loop": ["--module", "zero_recipes.bench.bare_loop"],
+    "HF Trainer": ["--module", "bench.hf_trainer_run"],  # after the launcher's flags
+    "bare DeepSpeed loop": ["--module", "bench.bare_loop"],
     "train.py --torch_compile": ["train.py"],
 }
 EXTRA = {"train.py --torch_compile": ["--torch_compile", "true"]}  # compile time falls in the warm-up window
@@ -142,7 +142,7 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         "Ratios: median of the window-paired ratios (runner A's window i over runner B's window i of the same "
-        "round), 95 % interval from a bootstrap over rounds and pairs (zero_recipes/bench/paired.py).",
+        "round), 95 % interval from a bootstrap over rounds and pairs (tools/bench/paired.py).",
         "",
         "| model | train.py / HF Trainer | goal | met? | with --torch_compile | met? | "
         "train.py / bare loop | goal | met? | interval within ±3 %? |",

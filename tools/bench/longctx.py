@@ -5,7 +5,7 @@ Ulysses sequence parallelism (SP=2) and both, and the longest sequence that trai
     python tools/benchmark.py longctx --quick     # tiny blocks, 4 configurations (the test)
 
 Every point is one train.py run through the real launcher (`deepspeed --num_gpus 2`, one sequence per rank,
-a couple of optimizer steps) under zero_recipes/bench/longctx_probe.py: torch.profiler's allocator events on
+a couple of optimizer steps) under tools/bench/longctx_probe.py: torch.profiler's allocator events on
 every rank, read at marks placed at the start of each forward, at the final norm (where the output head and
 the loss begin), when the gradient reaches it again, and at the optimizer step. Per step:
   model states  = live bytes when the forward starts (what outlives a step),
@@ -34,21 +34,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, free_port, new_report, write_report
+from .common import REPO, child_env, free_port, new_report, write_report
+from .longctx_report import SP, SP_TILED, TILED, TODAY, GiB, budget_label, fmt_ratio, markdown, plot, render
 from .longctx_search import longest, predicted_peak, trains_within
 
 ZERO3, SP2 = "ds_configs/zero3.json", "ds_configs/sp2.json"
 # name: (sequence-parallel size, tiled loss, tiled MLP)
 CONFIGS: dict[str, tuple[int, bool, bool]] = {
-    "ZeRO-3 (today)": (1, False, False),
-    "ZeRO-3 + tiled loss": (1, True, False),
-    "ZeRO-3 + SP2": (2, False, False),
-    "ZeRO-3 + SP2 + tiled loss": (2, True, False),
+    TODAY: (1, False, False),
+    TILED: (1, True, False),
+    SP: (2, False, False),
+    SP_TILED: (2, True, False),
     "ZeRO-3 + SP2 + tiled loss + tiled MLP": (2, True, True),
 }
-TODAY, TILED, SP, SP_TILED = list(CONFIGS)[:4]
 GOALS = {"sp_activation": 1.8, "tiled_loss_region": 4.0, "longest": 3.0}
-GiB = 2**30
 LONG_MODEL = {"vocab_size": 131072, "max_position_embeddings": 65536, "num_hidden_layers": 8}
 SIZES = {
     # model: --model_config; blocks: the sweep; budgets: per-rank bytes, one search each (the first is the
@@ -89,7 +88,7 @@ def launch(name: str, block: int, size: dict, out: Path, probe: Path) -> list[st
     """The `deepspeed` command line of one configuration at one block size, under the probe."""
     sp, tiled_loss, tiled_mlp = CONFIGS[name]
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += ["--module", "zero_recipes.bench.longctx_probe", "--deepspeed", ZERO3, *([SP2] if sp == 2 else [])]
+    cmd += ["--module", "bench.longctx_probe", "--deepspeed", ZERO3, *([SP2] if sp == 2 else [])]
     cmd += ["--model_config", json.dumps(size["model"]), "--block_size", str(block)]
     cmd += ["--per_device_train_batch_size", "1", "--max_steps", str(size["steps"]), "--learning_rate", "1e-3"]
     cmd += ["--tiled_loss", str(tiled_loss).lower(), "--tiled_mlp", str(tiled_mlp).lower()]
@@ -105,7 +104,13 @@ def run(cmd: list[str], timeout: int = TIMEOUT) -> tuple[int, str]:
     """(exit code, output) of a launch from the repo root, in its own process group (a timeout ends the
     launcher's ranks too; exit code 124 then)."""
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=REPO,
+        env=child_env(),  # the probe runs as `-m bench.longctx_probe`
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -252,10 +257,6 @@ def measure(size: dict, tmp: Path, cap: float) -> tuple[dict, dict]:
     return points, searches
 
 
-def budget_label(budget: float) -> str:
-    return f"{budget / GiB:.2f} GiB"
-
-
 def loss_parity(points: dict) -> dict:
     """Tiled against untiled loss at the same SP size and block: the same rows, so the same losses (fp32)."""
     out = {}
@@ -328,8 +329,6 @@ def report(size: dict, points: dict, searches: dict, cap: float, code: dict, sta
 
 
 def cmd_longctx(args) -> int:
-    from .longctx_report import fmt_ratio, markdown, plot, render
-
     if args.render:
         return render(Path(args.render))
     size = dict(SIZES["quick" if args.quick else "full"])

@@ -32,6 +32,7 @@ class Workload:
     pad_id: int
     rank: int
     world: int
+    dp: int  # data-parallel replicas (world / TP or SP size): the groups of ranks that see different rows
     threads: int
     timing_out: str
     window: int
@@ -55,7 +56,9 @@ def setup(argv: list[str]) -> Workload:
     distributed.quiet_deepspeed()
     tokenizer = data.load_tokenizer(cfg)  # built by train.py's run before this one (A/B/C order)
     prepared = data.prepare(cfg, tokenizer, lambda *a, **k: None)  # a cache hit after train.py's run
-    order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, rank, world, cfg.seed, prepared.pad_id)
+    # as train.py: the rows are sharded by data-parallel rank (a TP or SP group's ranks train the same batch)
+    dp_rank, dp = plan.mesh.dp_rank(rank), plan.mesh.dp
+    order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
     plan = plan.complete(plan.steps_to_train(order.per_rank))  # as train.py counts the steps
     model_config = plan.model_config
     if cfg.model_name_or_path is None and cfg.model_config is None:
@@ -73,6 +76,7 @@ def setup(argv: list[str]) -> Workload:
         prepared.pad_id,
         rank,
         world,
+        dp,
         threads,
         timing_out,
         int(window),
@@ -93,7 +97,8 @@ class WindowClock:
         if self.w.rank != 0 or not self.w.timing_out:
             return
         cfg = self.w.cfg
-        tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size * self.w.world
+        # the global batch's tokens, as train.py's metrics count them: each data-parallel replica's rows once
+        tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size * self.w.dp
         seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
         Path(self.w.timing_out).write_text(
             json.dumps(

@@ -2,7 +2,7 @@
 on disk and time to save, each as a LoRA / full ratio.
 
 Every run is train.py through the real `deepspeed` launcher with 2 ranks, on the model, data, batch and
-DeepSpeed config of the `train` benchmark's 100M size (zero_recipes/bench/speed.py), fine-tuning a base that
+DeepSpeed config of the `train` benchmark's 100M size (tools/bench/speed.py), fine-tuning a base that
 train.py itself wrote (one step from the seeded init, exported as an HF directory). The variants differ only
 in `--lora_r 16 --lora_target_modules all-linear`. Per precision:
 
@@ -11,7 +11,7 @@ in `--lora_r 16 --lora_target_modules all-linear`. Per precision:
   saved after the last window so its disk writes touch no timed window: its size (all files under
   checkpoints/step-N) and its save time from the files' own timestamps (first rng_state_<rank>.pt written,
   the save's first file, to the last file written);
-- one profiled run per variant (zero_recipes/bench/profiled_train.py: train.py's main under torch.profiler's
+- one profiled run per variant (tools/bench/profiled_train.py: train.py's main under torch.profiler's
   allocator events): the per-rank peak of live torch bytes, overall, in the optimizer steps and in the save,
   and the save's time measured around Checkpointer.save (a cross-check of the timestamps).
 """
@@ -117,7 +117,7 @@ def profiled_run(size, precision: str, base: Path, variant: str, out: Path) -> d
     probe = out.with_name(out.name + "-probe")
     cmd = (
         launcher()
-        + ["--module", "zero_recipes.bench.profiled_train"]
+        + ["--module", "bench.profiled_train"]
         + run_flags(size, precision, base, variant)
         + ["--output_dir", str(out), "--probe_out", str(probe)]
     )
@@ -277,7 +277,7 @@ def markdown(r: dict) -> str:
         "checkpoints/step-N (apparent bytes: DeepSpeed's model/optimizer states, per-rank RNG states, the HF config "
         "and tokenizer). Time to save: from the first rank's rng_state file (the save's first write) to the newest "
         "file's timestamp; not fsynced, so the page cache absorbs the writes, as in a real run.",
-        "- Peak memory: one more run per variant through zero_recipes/bench/profiled_train.py, train.py's main under "
+        "- Peak memory: one more run per variant through tools/bench/profiled_train.py, train.py's main under "
         "torch.profiler with profile_memory: the running sum of the CPU allocator's events per rank (torch tensors "
         "only, exact; not the Python heap or libraries); the spread is over the 2 ranks. A whole-run peak above "
         "both phase peaks lies outside them (loading the base, eval, the export at the end). The same run times "

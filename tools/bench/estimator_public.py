@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..memory.estimate import fit_verdict
+from zero_recipes.memory.estimate import fit_verdict
+
 from .common import REPO, environment
 
 DATA = REPO / "benchmarks" / "estimator-gpu-public.json"

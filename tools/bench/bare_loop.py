@@ -1,7 +1,7 @@
 """The floor: a hand-written DeepSpeed loop over the same rows, model, optimizer and config as train.py,
 with nothing else (no logging, eval, NaN check, preemption check or checkpoint).
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.bare_loop <train.py flags> --timing_out t.json [--window 5] \
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.bare_loop <train.py flags> --timing_out t.json [--window 5] \
         [--profile_out ops.txt]      # rank 0's op table over the steps after the first window (torch.profiler)
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from zero_recipes.bench.workload import WindowClock, pop_flag, setup
+from .workload import WindowClock, pop_flag, setup
 
 
 def main(argv: list[str]) -> int:

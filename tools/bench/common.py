@@ -12,6 +12,7 @@ from pathlib import Path
 from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
 
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
+TOOLS = REPO / "tools"  # where the `bench` package is imported from (the folder of tools/benchmark.py)
 
 
 def quiet(*_a, **_k):
@@ -74,11 +75,27 @@ def yes(met: bool) -> str:
     return "yes" if met else "**no**"
 
 
-def run_checked(cmd: list[str], env: dict, timeout: int, what: str) -> str:
+def child_env(env: dict | None = None) -> dict:
+    """env (default: this process's) with tools/ on PYTHONPATH, so that a child started as `-m bench.NAME`
+    (`deepspeed --module bench.NAME`: the launcher passes PYTHONPATH to every rank) imports this package."""
+    env = dict(os.environ if env is None else env)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths if str(TOOLS) in paths else [str(TOOLS), *paths])
+    return env
+
+
+def run_checked(cmd: list[str], env: dict | None, timeout: int, what: str) -> str:
     """Run from the repo root in its own process group (so a timeout also ends the deepspeed launcher's
-    ranks); return stdout+stderr, or print the tail of the output and exit non-zero."""
+    ranks), with env (default: this process's) and tools/ on PYTHONPATH (child_env); return stdout+stderr,
+    or print the tail of the output and exit non-zero."""
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=REPO,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -129,51 +146,3 @@ def footer(r: dict) -> list[str]:
         + ".",
         "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
     ]
-
-
-def allocator_events(events) -> tuple[list, list]:
-    """torch.profiler's events (profile_memory=True) as (marks, allocations), both in time order: marks are
-    (start_ns, end_ns, name) of the record_function("phase:NAME") ranges, allocations (time_ns, bytes) of the
-    CPU allocator, positive for an allocation and negative for a free, so their running sum is the live bytes.
-    memory_probe.py and profiled_train.py both read their runs this way."""
-    marks = sorted(
-        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
-        for e in events
-        if e.name().startswith("phase:")
-    )
-    mem = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-    )
-    return marks, mem
-
-
-def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
-    """Peak live bytes of one real forward+backward of `model` on random tokens, from the CPU allocator's
-    profiler events; each trainable parameter's grad is dropped as it is made, as DeepSpeed moves it into its
-    own buffers (the memory estimate counts those with the model states), but inside a tiled compute, where
-    DeepSpeed leaves it in `param.grad` until the last tile. `forward(model, ids)` returns the
-    loss (default: the model's own, with labels). The estimate tests and their child processes (a real AutoTP
-    rank, tests/unit/test_memory_tp.py) measure with this one function."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    model.train()
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(_to_deepspeed)
-    ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
-    forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        forward(model, ids).backward()
-    live = peak = 0
-    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
-def _to_deepspeed(param) -> None:
-    """What ZeRO does with a gradient as it is made: takes it into its buffers, unless DeepSpeed's tiled compute
-    (sequence_tiled_compute, TiledMLP) has marked the weight not ready until its last tile."""
-    if getattr(param, "ds_grad_is_ready", True):
-        param.grad = None

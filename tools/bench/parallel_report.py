@@ -1,10 +1,20 @@
-"""The tensor-parallelism report: benchmarks/parallel-DATE.md from the figures zero_recipes/bench/parallel.py
+"""The tensor-parallelism report: benchmarks/parallel-DATE.md from the figures tools/bench/parallel.py
 measured, one function per section."""
 
 from __future__ import annotations
 
 from .common import footer, yes
-from .parallel import BASELINE, PARITY_TOL, SIZES
+from .speed import HUNDRED_M
+
+# What parallel.py runs and this report states: the baseline, the loss tolerance, the sizes
+BASELINE = "ZeRO-2"
+PARITY_TOL = 1e-5  # fp32, same rows per step: only the summation order differs
+SIZES = {
+    # rounds: timed rounds; profiled_steps: steps of the profiled run (0: none); window = 1 step
+    "cpu": dict(model=HUNDRED_M, block=256, micro=2, steps=8, skip=2, rounds=2, profiled_steps=3),
+    "quick": dict(model=None, block=64, micro=4, steps=3, skip=1, rounds=0, profiled_steps=3),
+    "gpu": dict(model=HUNDRED_M, block=1024, micro=8, steps=40, skip=10, rounds=2, profiled_steps=0),
+}
 
 
 def mib(b: float) -> str:
@@ -79,7 +89,7 @@ def method(r: dict) -> list[str]:
         )
         + f" Whole benchmark: {s['wall_seconds'] / 60:.1f} min wall time.",
         "- Per-rank peak memory: one more run per configuration "
-        f"({s['profiled_steps']} steps) through zero_recipes/bench/profiled_train.py, train.py's main under "
+        f"({s['profiled_steps']} steps) through tools/bench/profiled_train.py, train.py's main under "
         "torch.profiler with profile_memory: the running sum of each rank's CPU allocator events (torch tensors "
         "only, exact; not the Python heap or libraries), the whole run (model build, steps, export), as the "
         "estimator and LoRA benchmarks measure it. Rank 0's RSS (psutil, metrics.jsonl): "

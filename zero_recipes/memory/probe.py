@@ -1,6 +1,7 @@
-"""Measure what a training step really holds in memory, per rank, on the CPU accelerator.
+"""Measure what a training step really holds in memory, per rank, on the CPU accelerator: the allocator
+probe the memory estimate is checked against.
 
-    deepspeed --num_gpus 2 --module zero_recipes.bench.memory_probe --deepspeed ds_configs/zero2.json \
+    deepspeed --num_gpus 2 --module zero_recipes.memory.probe --deepspeed ds_configs/zero2.json \
         --model_config '{"hidden_size": 256, ...}' --per_device_train_batch_size 2 --block_size 256 \
         --probe_out /tmp/probe.json
 
@@ -10,9 +11,13 @@ torch.profiler with profile_memory. Every allocation and free of the CPU allocat
 live bytes at each moment are their running sum: exact for torch tensors (DeepSpeed's flat buffers, its
 C++ Adam's states and gloo's staging tensors included), blind to non-torch memory (the Python heap,
 libraries). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
-host; zero_recipes/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
+host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
 
 Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step.
+
+The same reading of the allocator's events (`allocator_events`) serves the benchmarks' probes
+(tools/bench/profiled_train.py, longctx_probe.py) and the estimate tests' one forward+backward
+(`fwd_bwd_peak_bytes`). torch and the training modules are imported when a probe runs, not with this module.
 """
 
 from __future__ import annotations
@@ -22,18 +27,9 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
-
-from zero_recipes import distributed, lm_loss, lora, model as modeling, parallel, sequence_parallel
-from zero_recipes.bench.common import allocator_events
+from zero_recipes import distributed, lm_loss, lora, model as modeling
 from zero_recipes.engine import make_engine
 from zero_recipes.plan import RunPlan
-
-# transformers 5 reads a checkpoint's tensors in a thread pool, and the profiler misses the allocations of
-# those threads (measured: an fp32 load of a bf16 checkpoint showed the bf16 reads, never the fp32 weights).
-# Loading on the main thread ends with the same tensors, and every allocation is seen.
-os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state
@@ -57,7 +53,62 @@ def timeline(prof) -> dict:
     return {"peak": peak, "after_init": after_init if after_init is not None else live, "end": live}
 
 
+def allocator_events(events) -> tuple[list, list]:
+    """torch.profiler's events (profile_memory=True) as (marks, allocations), both in time order: marks are
+    (start_ns, end_ns, name) of the record_function("phase:NAME") ranges, allocations (time_ns, bytes) of the
+    CPU allocator, positive for an allocation and negative for a free, so their running sum is the live bytes.
+    This probe and tools/bench/profiled_train.py both read their runs this way."""
+    marks = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
+        for e in events
+        if e.name().startswith("phase:")
+    )
+    mem = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
+    return marks, mem
+
+
+def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
+    """Peak live bytes of one real forward+backward of `model` on random tokens, from the CPU allocator's
+    profiler events; each trainable parameter's grad is dropped as it is made, as DeepSpeed moves it into its
+    own buffers (the memory estimate counts those with the model states), but inside a tiled compute, where
+    DeepSpeed leaves it in `param.grad` until the last tile. `forward(model, ids)` returns the
+    loss (default: the model's own, with labels). The estimate tests and their child processes (a real AutoTP
+    rank, tests/unit/test_memory_tp.py) measure with this one function."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_to_deepspeed)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
+    forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        forward(model, ids).backward()
+    live = peak = 0
+    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _to_deepspeed(param) -> None:
+    """What ZeRO does with a gradient as it is made: takes it into its buffers, unless DeepSpeed's tiled compute
+    (sequence_tiled_compute, TiledMLP) has marked the weight not ready until its last tile."""
+    if getattr(param, "ds_grad_is_ready", True):
+        param.grad = None
+
+
 def main(argv: list[str]) -> int:
+    # transformers 5 reads a checkpoint's tensors in a thread pool, and the profiler misses the allocations of
+    # those threads (measured: an fp32 load of a bf16 checkpoint showed the bf16 reads, never the fp32 weights).
+    # Loading on the main thread ends with the same tensors, and every allocation is seen.
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
+    import torch
+    import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
+
     out = argv[argv.index("--probe_out") + 1]
     argv = [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
     plan = RunPlan.from_args(argv + ["--max_steps", str(STEPS)]).complete(STEPS)  # as train.py resolves it
@@ -70,23 +121,22 @@ def main(argv: list[str]) -> int:
 
     modeling.causal_lm_class(model_config)
     batches = random_batches(plan, rank)
-    mesh = plan.mesh
-    # as train.py: Ulysses goes into transformers' attention table before the model is built
-    if mesh.sp > 1:
-        sequence_parallel.register_ulysses(cfg, model_config, mesh)
-    mpu = mesh.deepspeed_mpu()  # as train.py: DeepSpeed's groups under TP or SP (the batch counts dp ranks)
+    quiet = lambda *a, **k: None  # noqa: E731
+    # as train.py: the axes' set-up (Ulysses goes into transformers' attention table) before the model is built
+    parallelism, adapter = plan.parallelism, plan.adapter
+    parallelism.before_build(cfg, model_config, quiet)
+    mpu = parallelism.mpu()  # as train.py: DeepSpeed's groups under TP or SP (the batch counts dp ranks)
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("phase:init"):
-            # alive while the model is built, with train.py's dict for zero.Init (parallel.zero_init_config)
-            hf_ds = HfDeepSpeedConfig(parallel.zero_init_config(ds, plan.mesh))  # noqa: F841
+            # alive while the model is built, with train.py's dict for zero.Init (axis.Parallelism.zero_init_config)
+            hf_ds = HfDeepSpeedConfig(parallelism.zero_init_config(ds))  # noqa: F841
             # as train.py's build_model: a pretrained base loads in bf16 under bf16, and LoRA wraps it
             bf16_load = plan.precision == "bf16" and cfg.model_name_or_path
             model = modeling.build_model(cfg, model_config, torch.bfloat16 if bf16_load else torch.float32, rank)
-            install_long_context(model, plan)
-            if lora.enabled(cfg):
-                model = lora.wrap(model, cfg)
+            lm_loss.install_for_run(model, plan, quiet)  # as train.py: its own loss where it applies, tiled MLP
+            model = adapter.wrap(model, quiet)
             engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
         for batch in batches:
@@ -111,7 +161,9 @@ def main(argv: list[str]) -> int:
 
 def random_batches(plan, rank: int) -> list[dict]:
     """This rank's micro-batches of random tokens, STEPS x gradient accumulation of them."""
-    cfg, mesh = plan.cfg, plan.mesh
+    import torch
+
+    cfg = plan.cfg
     vocab = plan.model_config.get_text_config().vocab_size
     # every rank of a tensor-parallel group must see the same tokens (DeepSpeed checks the first batch: "Data
     # inconsistency within the TP group"), so the tokens are seeded by the data-parallel rank
@@ -120,23 +172,8 @@ def random_batches(plan, rank: int) -> list[dict]:
         torch.randint(0, vocab, (cfg.per_device_train_batch_size, cfg.block_size), generator=gen)
         for _ in range(STEPS * cfg.gradient_accumulation_steps)
     ]
-    # as train.py: under SP each rank trains its slice of the same rows (loop.next_micro_batches)
-    return [
-        sequence_parallel.shard({"input_ids": ids, "labels": ids}, mesh.sp_rank(rank), mesh.sp)
-        if mesh.sp > 1
-        else {"input_ids": ids, "labels": ids}
-        for ids in rows
-    ]
-
-
-def install_long_context(model, plan) -> None:
-    """train.py's build_model (`install_long_context`): its own loss where lm_loss applies (tiled when asked; always
-    under SP), and the tiled MLP when asked, with the same functions and arguments."""
-    cfg, model_config, zero3 = plan.cfg, plan.model_config, plan.zero_stage == 3
-    if lm_loss.applies(cfg, model_config, plan.mesh.sp):
-        lm_loss.install(model, lm_loss.tile_tokens(cfg, model_config), cfg.tiled_loss, zero3)
-    if cfg.tiled_mlp:
-        lm_loss.install_tiled_mlp(model, zero3)
+    # as train.py: under SP each rank trains its slice of the same rows (runner.EagerRunner.micro_batch)
+    return [plan.parallelism.shard({"input_ids": ids, "labels": ids}, rank) for ids in rows]
 
 
 if __name__ == "__main__":

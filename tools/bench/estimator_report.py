@@ -1,4 +1,4 @@
-"""The estimator report: benchmarks/estimator.md from the points zero_recipes/bench/estimator.py measured, each
+"""The estimator report: benchmarks/estimator.md from the points tools/bench/estimator.py measured, each
 against tools/estimate_memory.py's prediction, with a summary per kind of point (LoRA, TP, long context).
 """
 
@@ -7,7 +7,43 @@ from __future__ import annotations
 import json
 
 from .common import footer
-from .estimator import MODELS, TARGET, long_options
+
+# What estimator.py launches and this report states: the models, the target band, a point's long-context options
+MODELS: dict = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
+    "B": {
+        "hidden_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1376,
+        "vocab_size": 16000,
+    },
+    "T": {  # the embedded tiny Llama (model.TINY_LLAMA) with a 128k vocabulary: the loss region dominates
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 352,
+        "vocab_size": 131072,
+        "max_position_embeddings": 4096,
+    },
+    "A": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 688,
+        "vocab_size": 8000,
+    },
+}
+# B with room for 4096 positions (the probe's embedded base allows 1024): the long-context points
+MODELS["L"] = {**MODELS["B"], "max_position_embeddings": 4096}
+TARGET = {"over": 0.10, "under": 0.05}
+
+
+def long_options(long: dict | None) -> dict:
+    """A point's SP size and train.py's tiling flags, defaults filled (train.py's: loss tiled, MLP not)."""
+    return {"sp": 1, "tiled_loss": True, "tiled_mlp": False, **(long or {})}
 
 
 def label(p: dict) -> str:
@@ -117,7 +153,7 @@ def markdown(r: dict) -> str:
         f"Command: `{r['command']}`",
         "",
         "Measured: peak live bytes of the CPU allocator on the most loaded rank (torch profiler, "
-        "`zero_recipes/bench/memory_probe.py`), real DeepSpeed on the CPU accelerator. Predicted: "
+        "`zero_recipes/memory/probe.py`), real DeepSpeed on the CPU accelerator. Predicted: "
         "`zero_recipes.memory.estimate` for that phase, device + host of one rank (one pool on a CPU). "
         f"Target: within +{TARGET['over']:.0%} / -{TARGET['under']:.0%}.",
         "",

@@ -1,9 +1,10 @@
-"""The data benchmark's report: benchmarks/data-DATE.md from the figures zero_recipes/bench/data.py measured."""
+"""The data benchmark's report: benchmarks/data-DATE.md from the figures tools/bench/data.py measured."""
 
 from __future__ import annotations
 
 from .common import yes
-from .data import BLOCK
+
+BLOCK = 1024  # the block size both pipelines prepare (data.py) and the report states
 
 
 def markdown(r: dict) -> str:

@@ -2,7 +2,7 @@
 
 Every runner is a real 2-rank `deepspeed` launch with the same DeepSpeed JSON, model config and seeded init,
 tokenizer and chat template, torch AdamW, schedule, micro-batch of rows, max length and one epoch:
-- train.py: packed SFT (its default), through zero_recipes/bench/sft_train_run.py;
+- train.py: packed SFT (its default), through tools/bench/sft_train_run.py;
 - TRL SFTTrainer, packing (best-fit decreasing, padding-free), completion-only loss (sft_peer_run.py);
 - HF Trainer: prompt-masked labels, DataCollatorForSeq2Seq, group_by_length (sft_peer_run.py);
 - train.py on pretraining text, same model and block size: the limit SFT's real tokens/s is held against.
@@ -32,10 +32,10 @@ FULL = dict(
 )
 QUICK = dict(conversations=120, eval=8, block=512, micro=2, rounds=1, windows=2, warmup=1, text_steps=12, longest=460)
 RUNNERS = {
-    "train.py": ["--module", "zero_recipes.bench.sft_train_run"],
-    "TRL SFTTrainer": ["--module", "zero_recipes.bench.sft_peer_run", "--peer", "trl"],
-    "HF Trainer": ["--module", "zero_recipes.bench.sft_peer_run", "--peer", "hf"],
-    "train.py, text": ["--module", "zero_recipes.bench.sft_train_run"],
+    "train.py": ["--module", "bench.sft_train_run"],
+    "TRL SFTTrainer": ["--module", "bench.sft_peer_run", "--peer", "trl"],
+    "HF Trainer": ["--module", "bench.sft_peer_run", "--peer", "hf"],
+    "train.py, text": ["--module", "bench.sft_train_run"],
 }
 GOALS = {"vs_trl": 1.0, "vs_hf": 1.2, "sft_vs_text": 0.9, "first_step_vs_trl": 0.5, "half_width": 0.03}
 
@@ -117,7 +117,7 @@ def run_one(runner: str, s: dict, work: dict, tmp: Path, tag: str) -> dict:
     env.pop("OMP_NUM_THREADS", None)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS[runner]]
     cmd += flags(runner, s, work) + ["--probe_out", str(out / "probe")]
-    if RUNNERS[runner][1] == "zero_recipes.bench.sft_train_run":
+    if RUNNERS[runner][1] == "bench.sft_train_run":
         cmd += ["--output_dir", str(out / "run")]
     run_checked(cmd, env, 7200, f"{runner}: {' '.join(cmd)}")
     ranks = [json.loads((out / f"probe.rank{r}.json").read_text()) for r in range(2)]
@@ -237,7 +237,7 @@ def markdown(r: dict) -> str:
         "",
         "Ratios: median of window-paired ratios (each run's steady epoch in "
         f"{s['windows']} windows after {s['warmup']} warm-up steps; window i of one runner over window i of the "
-        "other in the same round), 95 % interval from a bootstrap over rounds and pairs (zero_recipes/bench/paired.py).",
+        "other in the same round), 95 % interval from a bootstrap over rounds and pairs (tools/bench/paired.py).",
         "",
         "| ratio | median (95 % interval) | goal | met? | interval within ±3 %? |",
         "|---|---|---|---|---|",
@@ -257,7 +257,7 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         "- label tokens: the targets the loss counts; real: non-padding positions; padding: the share of computed "
-        "positions that were padding (zero_recipes/bench/sft_data.py).",
+        "positions that were padding (tools/bench/sft_data.py).",
         "- held-out loss: every runner's trained model scored by the same code on the same "
         f"{s['eval']} held-out conversations (mean over assistant tokens).",
         "- first step: process start to the end of the first optimizer step; round 1 ran with empty data caches "

@@ -1,0 +1,101 @@
+"""The interface of a parallel axis, and a run's axes together.
+
+Each axis (tensor_parallel.py, sequence_parallel.py; pipeline and expert next) is one class in its own module
+with these hooks, in the order a run calls them. A hook an axis does not need keeps the default here, so
+adding an axis is its module plus one line in modes.AXES: nothing else asks which axes a run has.
+
+    adopt(ds)                 config intake, every axis, before the mesh exists: another project's spelling
+    configure(ds)             config intake, active axes: what the axis sets in the DeepSpeed dict
+    check(model_config, ds, cfg) -> notes   before any process group: what this model or run cannot split
+    zero_init_config(ds)      the dict transformers hands zero.Init while it builds the model
+    before_build(cfg, model_config, log)    after the process group, before the model: collective set-up
+    mpu()                     what deepspeed.initialize(mpu=...) takes
+    count_group()             the group over which per-rank token counts add up once (None: the world)
+    shard(batch, rank)        this rank's part of a micro-batch its group shares
+
+Which axes combine, and with which ZeRO stages and adapters, is combinations.py's table; the arithmetic of
+the ranks is mesh.py's.
+"""
+
+from __future__ import annotations
+
+from .mesh import Mesh
+
+
+class ParallelAxis:
+    name = ""
+    owns_attention = False
+    """The axis installs the attention kernel itself (Ulysses wraps it), so nothing else may replace it."""
+    counts_tokens = False
+    """Every step's loss is normalised by its trained tokens (per-slice means would weight slices unequally)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    @staticmethod
+    def adopt(ds: dict) -> tuple[str, ...]:
+        return ()
+
+    def configure(self, ds: dict) -> None:
+        pass
+
+    def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
+        return ()
+
+    def zero_init_config(self, ds: dict) -> dict:
+        return ds
+
+    def before_build(self, cfg, model_config, log) -> None:
+        pass
+
+    def mpu(self):
+        return None
+
+    def count_group(self):
+        return None
+
+    def shard(self, batch: dict, rank: int) -> dict:
+        return batch
+
+
+class Parallelism:
+    """A run's active axes (size > 1) as one: each hook asks every active axis in turn. Today at most one axis
+    is active (combinations.py refuses TP with SP), so the first axis's mpu and count group are the run's."""
+
+    def __init__(self, mesh: Mesh, axes: list[ParallelAxis]):
+        self.mesh, self.axes = mesh, axes
+
+    @property
+    def owns_attention(self) -> bool:
+        return any(a.owns_attention for a in self.axes)
+
+    @property
+    def counts_tokens(self) -> bool:
+        return any(a.counts_tokens for a in self.axes)
+
+    def configure(self, ds: dict) -> None:
+        for a in self.axes:
+            a.configure(ds)
+
+    def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
+        return tuple(note for a in self.axes for note in a.check(model_config, ds, cfg))
+
+    def zero_init_config(self, ds: dict) -> dict:
+        for a in self.axes:
+            ds = a.zero_init_config(ds)
+        return ds
+
+    def before_build(self, cfg, model_config, log) -> None:
+        for a in self.axes:
+            a.before_build(cfg, model_config, log)
+
+    def mpu(self):
+        return next((m for a in self.axes if (m := a.mpu()) is not None), None)
+
+    def count_group(self):
+        return next((g for a in self.axes if (g := a.count_group()) is not None), None)
+
+    def shard(self, batch: dict, rank: int) -> dict:
+        for a in self.axes:
+            batch = a.shard(batch, rank)
+        return batch

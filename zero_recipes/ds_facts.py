@@ -1,0 +1,40 @@
+"""What a DeepSpeed config dict says about a run: its ZeRO stage, precision, offloads and parallel sizes.
+
+A leaf (no import of the package): the config intake (ds_config), its checks (ds_checks), the parallel axes,
+the engine, the JIT ops and the memory estimate all read these, and none of them may import the others for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def precision(ds: dict) -> str:
+    """'bf16', 'fp16' or 'fp32' for a resolved config (both blocks' "enabled" filled)."""
+    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+
+def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
+    """(optimizer offload device, param offload device), each None, 'cpu' or 'nvme'."""
+    z = ds.get("zero_optimization", {})
+
+    def dev(key):
+        d = (z.get(key) or {}).get("device", "none")
+        return None if d in (None, "none") else d
+
+    return dev("offload_optimizer"), dev("offload_param")
+
+
+def tensor_parallel_size(ds: dict) -> int:
+    """The AutoTP degree a DeepSpeed dict asks for (1: none)."""
+    block = ds.get("tensor_parallel") or {}
+    return max(1, int(block.get("autotp_size", 0) or 0)) if isinstance(block, dict) else 1
+
+
+def sequence_parallel_size(ds: dict) -> int:
+    """The Ulysses degree a DeepSpeed dict asks for (1: none)."""
+    return max(1, int(ds.get("sequence_parallel_size", 1) or 1))

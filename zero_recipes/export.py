@@ -1,0 +1,131 @@
+"""Export: one view of the full parameters, whatever holds them, and what makes them a model directory.
+
+The trained weights may be ZeRO-3 partitions (each rank a 1/N slice of every parameter), AutoTP shards (each
+rank a slice of each split layer), or whole on every rank. `gathered_parameters` is the one view of them all:
+full-size tensors on rank 0's CPU, one layer at a time. Everything that writes or checks weights (the HF
+export, the LoRA adapter and its merge, the export check) reads through it; a new holder of parameters
+(pipeline stages) is taught here, once.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Optional
+
+
+def partitioned(module) -> bool:
+    """Whether ZeRO-3 has partitioned this module's parameters (each then carries its DeepSpeed id)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def tensor_parallel(module) -> bool:
+    """Whether AutoTP has split this model's layers (its parameters are then shards)."""
+    from deepspeed.module_inject.layers import DS_IS_REPLACED_MODULE
+
+    return any(getattr(p, DS_IS_REPLACED_MODULE, False) for p in module.parameters())
+
+
+def gathered_parameters(module, rank: int, trainable_only: bool = False) -> Optional[dict]:
+    """The parameters (or only the trainable ones: a LoRA adapter), full-size, on rank 0's CPU; None elsewhere.
+    One layer at a time: its ZeRO-3 partitions are gathered (without that a ZeRO-3 save writes the empty
+    placeholders), then its AutoTP shards (DeepSpeed's GatherReplacedLayerParams, which takes the layer's
+    [weight, bias] in order and re-splits them on exit), so no rank holds more than one full layer.
+    Collective under ZeRO-3 and tensor parallelism: every rank walks the same layers."""
+    import torch
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    zero3 = partitioned(module)
+    sd, seen = ({} if rank == 0 else None), set()
+    for prefix, owner in module.named_modules():
+        params = list(owner.parameters(recurse=False))
+        wanted = [p for p in params if p.requires_grad or not trainable_only]
+        if not wanted:
+            continue
+        zero_gather = nullcontext()
+        if zero3:
+            import deepspeed
+
+            zero_gather = deepspeed.zero.GatheredParameters(wanted, modifier_rank=None)
+        with zero_gather, GatherReplacedLayerParams(params, owner, enabled=True):
+            if rank != 0:
+                continue
+            for name, param in owner.named_parameters(recurse=False):
+                if id(param) in seen or (trainable_only and not param.requires_grad):
+                    continue  # a tied weight is stored once, under its first name (as named_parameters does)
+                seen.add(id(param))
+                sd[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
+    if zero3 or tensor_parallel(module):
+        torch.distributed.barrier()
+    return sd
+
+
+def full_state_dict(module, rank: int) -> Optional[dict]:
+    """The trained weights as a CPU state dict on rank 0 (None elsewhere): the gathered parameters plus the
+    persistent buffers. ZeRO-3 saves with empty placeholder weights (LLaMA-Factory #253) come from skipping the
+    gather; under tensor parallelism a shard is never written as if it were the whole weight."""
+    if not partitioned(module) and not tensor_parallel(module):
+        if rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    sd = gathered_parameters(module, rank)
+    if rank == 0:
+        for name, buf in module.named_buffers():
+            if buf is not None:
+                sd[name] = buf.detach().cpu().clone()
+        # drop non-persistent buffers (e.g. rotary inv_freq) that state_dict() would not contain
+        persistent = set(module.state_dict().keys())
+        sd = {k: v for k, v in sd.items() if k in persistent}
+    return sd
+
+
+def hf_files_writer(model_config, tokenizer):
+    """What makes a weights file a model directory: config, generation config, tokenizer."""
+
+    def write(out_dir: Path) -> None:
+        import copy
+
+        from transformers import GenerationConfig
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(model_config)
+        config.use_cache = True
+        config.save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    return write
+
+
+def export_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
+    """Leave a complete HF model directory in `out_dir`, as the HF Trainer does."""
+    import torch
+
+    sd = full_state_dict(engine.module, rank)
+    if rank == 0:
+        model = engine.module
+        model.config.use_cache = True
+        model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    torch.distributed.barrier()
+
+
+def verify_export(engine, probe, rank: int, reload: Callable[[], object]) -> Optional[float]:
+    """Reload the export on rank 0 with `reload` (the adapter's: plain `from_pretrained`, or a PEFT adapter
+    onto its base) and return the max |logit difference| against the engine on the same input (all ranks run
+    the engine: ZeRO-3 forwards are collective)."""
+    import torch
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    engine.eval()
+    with torch.no_grad():
+        ref = engine(input_ids=probe).logits.float().cpu()
+    diff = None
+    if rank == 0:
+        unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
+        reloaded = reload()
+        with torch.no_grad():
+            got = reloaded(input_ids=probe).logits.float()
+        diff = (got - ref).abs().max().item()
+    torch.distributed.barrier()
+    return diff

@@ -1,0 +1,78 @@
+"""How one optimizer step runs: the runner `fit()` drives, chosen once in setup.
+
+`EagerRunner` drives DeepSpeed's engine API (forward, backward, step per micro-batch) for every mode train.py
+has today; what differs between the modes is asked of the run's parallel axes (axis.Parallelism: a micro-batch
+sharded, the tokens counted over the right group) and decided here once. A pipeline runner (DeepSpeed's
+PipelineEngine: `train_batch()` / `eval_batch()` over the whole step) or another objective implements the same
+four calls, and `fit()` (loop.py) does not change:
+
+    micro_batch(batch)                       one micro-batch of the data order, on the device, this rank's part
+    train_step(micro_batches, window, guard, step, measure) -> grad norm or None
+    eval_rows(batch) -> (loss sum, label tokens, wrong tokens) per row
+    count_group                              what per-rank sums are all-reduced over
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import lm_loss
+
+
+class EagerRunner:
+    def __init__(self, engine, plan, rank: int, sft: bool):
+        parallelism = plan.parallelism
+        self.engine, self.rank, self.parallelism = engine, rank, parallelism
+        self.count_group = parallelism.count_group()
+        """The process group over which per-rank counts add up to the global batch's, each token once (None:
+        the world): under TP one rank per TP group, since its ranks share rows."""
+        self.count_label_tokens = sft or parallelism.counts_tokens
+        # ZeRO-0 in fp32 runs without the DeepSpeed optimizer wrapper that records the grad norm: measure it
+        self.measures_grad_norm = plan.zero_stage == 0 and plan.precision == "fp32"
+        self.grad_divisor = plan.mesh.gradient_divisor(plan.zero_stage)
+        """What DeepSpeed divides the sum of all ranks' gradients by (mesh.Mesh.gradient_divisor)."""
+
+    def micro_batch(self, batch: dict) -> dict:
+        batch = self.parallelism.shard(batch, self.rank)
+        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self, micro_batches: list[dict], window, guard, step: int, logging_step: bool):
+        """One optimizer step over its micro-batches. Returns the grad norm when this runner measures it itself
+        and the step logs, else None."""
+        engine, accumulation = self.engine, len(micro_batches)
+        # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
+        extra = {"use_cache": False}
+        if self.count_label_tokens:
+            # SFT rows hold different numbers of trained tokens: normalise each step by the tokens of all its
+            # micro-batches on all ranks (HF's num_items_in_batch), not by a mean of per-micro-batch means.
+            # Counted once per token: over one rank per tensor-parallel group (it shares its rows), over every
+            # rank of a sequence-parallel group (each holds its slice, targets pre-shifted).
+            n_items = sum(label_tokens(b) for b in micro_batches).float()
+            torch.distributed.all_reduce(n_items, group=self.count_group)
+            # DeepSpeed divides by the accumulation steps and by grad_divisor; undo both here
+            extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * self.grad_divisor)
+        grad_norm = None
+        for micro, batch in enumerate(micro_batches):
+            loss = engine(**batch, **extra).loss
+            engine.backward(loss)
+            if self.measures_grad_norm and logging_step and micro == accumulation - 1:
+                grad_norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in engine.module.parameters() if p.grad is not None]
+                )
+            engine.step()
+            window.add_loss(loss)
+            guard.observe(loss, step)
+        return grad_norm
+
+    def eval_rows(self, batch: dict):
+        """Per row of an eval batch (on the device, labels included): loss sum, label tokens, wrong argmax tokens."""
+        labels = batch.pop("labels")
+        return lm_loss.eval_row_stats(self.engine, self.engine.module, batch, labels)
+
+
+def label_tokens(batch: dict):
+    """Trained tokens in a batch: targets that are not -100 (a sequence-parallel slice carries its targets
+    pre-shifted in `shift_labels`)."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != -100).sum()
+    return (batch["labels"][:, 1:] != -100).sum()
