@@ -253,7 +253,7 @@ def _resolve_zero(ds: dict, z: dict, r: Resolver, hidden_size: Optional[int]) ->
             else:
                 block["nvme_path"] = r.cfg.nvme_path  # whether it exists is ds_schema.machine_problems' question
     if zero_stage(ds) == 3:
-        # Export gathers 16-bit weights itself (model.export_hf_model); this keeps DeepSpeed's own
+        # Export gathers 16-bit weights itself (export.export_hf_model); this keeps DeepSpeed's own
         # `save_16bit_model` usable too, as HF configs expect. Safe: the names were normalised, so a file
         # spelling it `gather_16bit_weights_on_model_save` now has this key, and setdefault keeps its value.
         z.setdefault("stage3_gather_16bit_weights_on_model_save", True)

@@ -103,7 +103,7 @@ def ask_cpuinfo_once() -> None:
 
 
 def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
-    """`mpu`: parallel.Mesh.deepspeed_mpu() under tensor parallelism, else None."""
+    """`mpu`: the run's axes' groups (axis.Parallelism.mpu) under tensor or sequence parallelism, else None."""
     import deepspeed
 
     import_muon_uncompiled_unless_used(ds)

@@ -87,7 +87,10 @@ def fit(loop: Loop, step: int) -> Outcome:
     while step < total:
         logging_step = (step + 1) % cfg.logging_steps == 0 or step + 1 == total
         micro_batches, data_wait = next_micro_batches(loop)
-        norm = loop.runner.train_step(micro_batches, window, guard, step + 1, logging_step)
+        losses_of_step, norm = loop.runner.train_step(micro_batches, logging_step)
+        for loss in losses_of_step:
+            window.add_loss(loss)
+            guard.observe(loss, step + 1)
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:

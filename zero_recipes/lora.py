@@ -23,7 +23,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .export import gathered_parameters
 from .lora_options import ALL_LINEAR
-from .model import meta_model, num_params, quantized_load
+from .model import meta_model, num_params
 
 QLORA_CPU_BLOCK = 64
 """On a CPU, bitsandbytes 0.50's 4-bit matmul repacks each weight in blocks of 64 input features; a layer with
@@ -153,6 +153,21 @@ def export_adapter(engine, tokenizer, out_dir: Path, rank: int) -> None:
     torch.distributed.barrier()
 
 
+def quantized_load(dtype) -> dict:
+    """QLoRA's extra from_pretrained arguments: a 4-bit NF4 base (bitsandbytes) on this rank's device,
+    where bitsandbytes quantises it as it loads."""
+    from deepspeed.accelerator import get_accelerator
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+    return {"quantization_config": quant, "device_map": {"": get_accelerator().current_device_name()}}
+
+
 def peft_model_from(config, trainable: dict, dtype):
     """A PeftModel on the pretrained base the LoraConfig `config` names, holding `trainable` (the adapter as the
     engine names it). For merging, and for tools/export_hf.py's LoRA checkpoints."""
@@ -201,7 +216,9 @@ def load_for_inference(path: Path, dtype, as_trained: bool = True, load_in_4bit:
     from transformers import AutoModelForCausalLM
 
     base_name = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype, **quantized_load(load_in_4bit, dtype))
+    base = AutoModelForCausalLM.from_pretrained(
+        base_name, dtype=dtype, **(quantized_load(dtype) if load_in_4bit else {})
+    )
     # the adapter in the dtype it was trained in (peft would upcast a 16-bit one to fp32): the engine's numerics
     return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=not as_trained).eval()
 
@@ -260,4 +277,4 @@ class QLora(Lora):
     name = "qlora"
 
     def load_kwargs(self, dtype) -> dict:
-        return quantized_load(True, dtype)
+        return quantized_load(dtype)

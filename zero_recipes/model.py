@@ -195,23 +195,6 @@ def build_model(cfg: TrainConfig, config, dtype, rank: int, load_kwargs: dict | 
     return model
 
 
-def quantized_load(load_in_4bit: bool, dtype) -> dict:
-    """QLoRA's extra from_pretrained arguments: a 4-bit NF4 base (bitsandbytes) on this rank's device,
-    where bitsandbytes quantises it as it loads."""
-    if not load_in_4bit:
-        return {}
-    from deepspeed.accelerator import get_accelerator
-    from transformers import BitsAndBytesConfig
-
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=dtype,
-    )
-    return {"quantization_config": quant, "device_map": {"": get_accelerator().current_device_name()}}
-
-
 def seeded_reinit(model, seed: int, rank: int) -> None:
     """Re-initialise every module from a seed derived from (seed, module name).
 

@@ -7,7 +7,7 @@ PipelineEngine: `train_batch()` / `eval_batch()` over the whole step) or another
 four calls, and `fit()` (loop.py) does not change:
 
     micro_batch(batch)                       one micro-batch of the data order, on the device, this rank's part
-    train_step(micro_batches, window, guard, step, measure) -> grad norm or None
+    train_step(micro_batches, logging_step) -> (each micro-batch's loss, the grad norm or None)
     eval_rows(batch) -> (loss sum, label tokens, wrong tokens) per row
     count_group                              what per-rank sums are all-reduced over
 """
@@ -36,9 +36,9 @@ class EagerRunner:
         batch = self.parallelism.shard(batch, self.rank)
         return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, micro_batches: list[dict], window, guard, step: int, logging_step: bool):
-        """One optimizer step over its micro-batches. Returns the grad norm when this runner measures it itself
-        and the step logs, else None."""
+    def train_step(self, micro_batches: list[dict], logging_step: bool) -> tuple[list, object]:
+        """One optimizer step over its micro-batches. Returns each micro-batch's loss (as the engine scaled
+        it) and the grad norm when this runner measures it itself and the step logs, else None."""
         engine, accumulation = self.engine, len(micro_batches)
         # no KV cache in training: with one, transformers would ignore the restarting position ids of packed rows
         extra = {"use_cache": False}
@@ -51,7 +51,7 @@ class EagerRunner:
             torch.distributed.all_reduce(n_items, group=self.count_group)
             # DeepSpeed divides by the accumulation steps and by grad_divisor; undo both here
             extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * self.grad_divisor)
-        grad_norm = None
+        grad_norm, losses = None, []
         for micro, batch in enumerate(micro_batches):
             loss = engine(**batch, **extra).loss
             engine.backward(loss)
@@ -60,9 +60,8 @@ class EagerRunner:
                     [p.grad for p in engine.module.parameters() if p.grad is not None]
                 )
             engine.step()
-            window.add_loss(loss)
-            guard.observe(loss, step)
-        return grad_norm
+            losses.append(loss)
+        return losses, grad_norm
 
     def eval_rows(self, batch: dict):
         """Per row of an eval batch (on the device, labels included): loss sum, label tokens, wrong argmax tokens."""

@@ -1,5 +1,5 @@
-"""The floor: a hand-written DeepSpeed loop over the same rows, model, optimizer and config as train.py,
-with nothing else (no logging, eval, NaN check, preemption check or checkpoint).
+"""The floor: train.py's own training step (runner.EagerRunner) over the same rows, model, optimizer and config,
+with nothing of fit() around it (no logging, eval, NaN check, preemption check or checkpoint).
 
     PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.bare_loop <train.py flags> --timing_out t.json [--window 5] \
         [--profile_out ops.txt]      # rank 0's op table over the steps after the first window (torch.profiler)
@@ -18,14 +18,17 @@ def main(argv: list[str]) -> int:
 
     from zero_recipes import distributed, model as modeling
     from zero_recipes.engine import make_engine
+    from zero_recipes.runner import EagerRunner
 
     argv, profile_out = pop_flag(argv, "--profile_out")
     w = setup(argv)
-    cfg = w.cfg
-    hf_ds = HfDeepSpeedConfig(w.ds)  # noqa: F841 -- alive while the model is built (ZeRO-3)
+    cfg, parallelism = w.cfg, w.plan.parallelism
+    parallelism.before_build(cfg, w.model_config, lambda *a, **k: None)  # as train.py: the axes' set-up
+    hf_ds = HfDeepSpeedConfig(parallelism.zero_init_config(w.ds))  # noqa: F841 -- alive while the model is built
     modeling.causal_lm_class(w.model_config)
     model = modeling.build_model(cfg, w.model_config, __import__("torch").float32, w.rank)
-    engine = make_engine(cfg, model, w.ds, cfg.max_steps)
+    engine = make_engine(cfg, model, w.ds, cfg.max_steps, parallelism.mpu())
+    runner = EagerRunner(engine, w.plan, w.rank, w.prepared.sft)
     engine.train()
     clock = WindowClock(w)
     profiler = None
@@ -35,11 +38,8 @@ def main(argv: list[str]) -> int:
 
             profiler = profile(activities=[ProfilerActivity.CPU])
             profiler.__enter__()
-        for _ in range(cfg.gradient_accumulation_steps):
-            batch = {k: v.to(engine.device) for k, v in w.order.next_batch().items()}
-            loss = engine(**batch, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
+        steps = cfg.gradient_accumulation_steps
+        runner.train_step([runner.micro_batch(w.order.next_batch()) for _ in range(steps)], logging_step=False)
         clock.step_done(step)
     if profiler is not None:
         profiler.__exit__(None, None, None)

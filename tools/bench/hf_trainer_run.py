@@ -58,13 +58,13 @@ def main(argv: list[str]) -> int:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from zero_recipes import data, distributed, ds_config, model as modeling
+    from zero_recipes import data, distributed, ds_facts, model as modeling
 
     w = setup(argv)
     cfg = w.cfg
     cuda = torch.cuda.is_available()
     PartialState(backend="nccl" if cuda else "gloo")
-    precision = ds_config.precision(w.ds)
+    precision = ds_facts.precision(w.ds)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-trainer-bench-"),
         max_steps=cfg.max_steps,

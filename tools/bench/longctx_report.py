@@ -219,7 +219,7 @@ def method(r: dict) -> list[str]:
         "- Each point: `deepspeed --num_gpus 2` running train.py's main() under "
         "tools/bench/longctx_probe.py (torch.profiler, profile_memory, every rank): the running sum of "
         "the CPU allocator's events is the live torch bytes (exact for tensors; not the Python heap or "
-        "libraries). The peak is that of the optimizer steps (train.py's loop.train_step); the export at the "
+        "libraries). The peak is that of the optimizer steps (train.py's runner.train_step); the export at the "
         "end is left out. No held-out split (`--validation_split_percentage 0`): train.py's eval would compute "
         "whole-sequence logits on every rank.",
         "- The split: model states = live bytes when the step's forward starts; activation peak = the step's "

@@ -7,12 +7,13 @@ flags. Every allocation and free of torch's CPU allocator is a profiler event, s
 moment are their running sum (the method of zero_recipes/memory/probe.py): exact for torch tensors
 (DeepSpeed's flat buffers and optimizer states, gloo's staging tensors, torch.save's copies), blind to
 non-torch memory (the Python heap, libraries). Two calls are marked with record_function, so the peak is also
-split by phase: each optimizer step (loop.train_step) and each checkpoint save (Checkpointer.save), which is
+split by phase: each optimizer step (the runner's train_step) and each checkpoint save (Checkpointer.save), which is
 timed here too. Each rank writes <probe_out>.rank<N>.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import sys
@@ -41,28 +42,52 @@ def peaks(events) -> dict:
     return {"peak_bytes": overall, "phase_peak_bytes": by_phase, "end_bytes": live}
 
 
-def instrument(save_seconds: list) -> None:
-    """Mark the optimizer steps and the saves (the real functions are called unchanged), and time each save
-    from its call to its return: Checkpointer.save ends with a barrier, so rank 0's time covers every rank."""
-    from torch.profiler import record_function
+class MarkedRunner:
+    """The run's own runner, each optimizer step marked for the profiler; everything else is the runner's."""
 
-    from zero_recipes import checkpoint, loop
+    def __init__(self, runner):
+        self.runner = runner
 
-    train_step, save = loop.train_step, checkpoint.Checkpointer.save
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
 
-    def marked_step(*args, **kwargs):
+    def train_step(self, *args, **kwargs):
+        from torch.profiler import record_function
+
         with record_function("phase:train_step"):
-            return train_step(*args, **kwargs)
+            return self.runner.train_step(*args, **kwargs)
 
-    def timed_save(self, engine, step, *args, **kwargs):
+
+class TimedCheckpointer:
+    """The run's own checkpointer, each save marked and timed from its call to its return: Checkpointer.save
+    ends with a barrier, so rank 0's time covers every rank."""
+
+    def __init__(self, checkpointer, save_seconds: list):
+        self.checkpointer, self.save_seconds = checkpointer, save_seconds
+
+    def __getattr__(self, name):
+        return getattr(self.checkpointer, name)
+
+    def save(self, *args, **kwargs):
+        from torch.profiler import record_function
+
         with record_function("phase:save"):
             start = time.perf_counter()
-            path = save(self, engine, step, *args, **kwargs)
-            save_seconds.append(time.perf_counter() - start)
+            path = self.checkpointer.save(*args, **kwargs)
+            self.save_seconds.append(time.perf_counter() - start)
         return path
 
-    loop.train_step = marked_step  # fit() looks the name up at each call
-    checkpoint.Checkpointer.save = timed_save
+
+def instrument(save_seconds: list):
+    """train.py's `instrument` hook: the loop it assembled, with its runner and checkpointer wrapped (the real
+    ones are called unchanged)."""
+
+    def wrap(run):
+        return dataclasses.replace(
+            run, runner=MarkedRunner(run.runner), checkpointer=TimedCheckpointer(run.checkpointer, save_seconds)
+        )
+
+    return wrap
 
 
 def main(argv: list[str]) -> int:
@@ -74,9 +99,8 @@ def main(argv: list[str]) -> int:
     from zero_recipes import distributed, metrics
 
     save_seconds: list[float] = []
-    instrument(save_seconds)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        code = train["main"](argv)
+        code = train["main"](argv, instrument=instrument(save_seconds))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     result = {
         "rank": rank,

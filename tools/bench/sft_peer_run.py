@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     import torch
     from accelerate import PartialState
 
-    from zero_recipes import data, distributed, ds_config, model as modeling
+    from zero_recipes import data, distributed, ds_facts, model as modeling
     from zero_recipes.data import formats
     from zero_recipes.plan import RunPlan
 
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     plan = plan.complete(1, tok)  # the model config sized to the tokenizer, as in train.py
     cuda = torch.cuda.is_available()
     PartialState(backend="nccl" if cuda else "gloo")
-    targs = peer_arguments(peer, cfg, common_arguments(cfg, plan.raw_ds, ds_config.precision(plan.ds), cuda))
+    targs = peer_arguments(peer, cfg, common_arguments(cfg, plan.raw_ds, ds_facts.precision(plan.ds), cuda))
     modeling.causal_lm_class(plan.model_config)
     model = modeling.build_model(cfg, plan.model_config, torch.float32, rank)
     model.config.use_cache = False

@@ -36,6 +36,7 @@ class Workload:
     threads: int
     timing_out: str
     window: int
+    plan: object = None  # the completed RunPlan: its axes and adapter, as train.py picks them
 
 
 def pop_flag(argv: list[str], name: str, default: str | None = None) -> tuple[list[str], str | None]:
@@ -80,6 +81,7 @@ def setup(argv: list[str]) -> Workload:
         threads,
         timing_out,
         int(window),
+        plan,
     )
 
 
