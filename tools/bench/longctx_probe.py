@@ -145,10 +145,9 @@ def main(argv: list[str]) -> int:
 
     from zero_recipes import distributed, metrics
 
-    instrument([])
     instrument_points()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        code = train["main"](argv)
+        code = train["main"](argv, instrument=instrument([]))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     events = prof.profiler.kineto_results.events()
     marks, mem = allocator_events(events)

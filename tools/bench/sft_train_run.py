@@ -2,9 +2,9 @@
 
     PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_train_run <train.py flags> --probe_out P --eval_file E
 
-Two of train.py's calls are wrapped to see what the probe needs (the real functions run unchanged):
-`data.prepare`, for the tokenizer (with its chat template) and the pad id, and `model.build_model`, to hook
-the model (tools/bench/sft_probe.py).
+train.py's `instrument` hook hands the probe the assembled loop before it runs: the model (hooked by
+tools/bench/sft_probe.py), the pad id and the block size; nothing of the run changes. The tokenizer (with its
+chat template) for the held-out loss is loaded afterwards, from the cache train.py built.
 """
 
 from __future__ import annotations
@@ -23,26 +23,25 @@ def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="sft_train_run")  # its imports and main()
     import torch
 
-    from zero_recipes import data, distributed, metrics, model as modeling
+    from zero_recipes import data, distributed, metrics
+    from zero_recipes.data import formats
 
     probe, seen = StepProbe(), {}
-    prepare, build = data.prepare, modeling.build_model
 
-    def seen_prepare(cfg, tok, log):
-        prepared = prepare(cfg, tok, log)
-        seen.update(tok=tok, pad_id=prepared.pad_id, block=cfg.block_size)
-        return prepared
+    def attach(run):
+        model = run.engine.module  # the model train.py built, as DeepSpeed holds it
+        probe.attach(model, run.prepared.pad_id)
+        seen.update(model=model, cfg=run.plan.cfg)
+        return run
 
-    def hooked_build(cfg, config, dtype, rank):
-        model = build(cfg, config, dtype, rank)
-        probe.attach(model, seen["pad_id"])
-        seen["model"] = model
-        return model
-
-    data.prepare, modeling.build_model = seen_prepare, hooked_build  # train.py looks both up at each call
-    code = train["main"](argv)
+    code = train["main"](argv, instrument=attach)
     rank = torch.distributed.get_rank()
-    probe.finish(seen["model"], rank, out, eval_file, seen["tok"], seen["block"])
+    cfg = seen["cfg"]
+    tok = None
+    if rank == 0 and eval_file:  # the tokenizer as data.prepare left it for chat rows: with its chat template
+        tok = data.load_tokenizer(cfg)
+        formats.ensure_chat_template(tok, lambda *a, **k: None)
+    probe.finish(seen["model"], rank, out, eval_file, tok, cfg.block_size)
     metrics.close_open_logs()
     distributed.finish(code)  # as train.py ends: barrier, then os._exit
     return code
