@@ -121,6 +121,17 @@ class Mesh:
                 )
 
 
+def ranks_in_words(layout: dict) -> str:
+    """A checkpoint's layout (Mesh.layout, as saved) in words: "2 rank(s)", or "2 data-parallel x 2
+    tensor-parallel rank(s)"."""
+    inner = "".join(
+        f" x {layout[key]} {axis}-parallel"
+        for axis, key in (("tensor", "tensor_parallel"), ("sequence", "sequence_parallel"))
+        if layout.get(key, 1) > 1
+    )
+    return f"{layout['world']} data-parallel{inner} rank(s)" if inner else f"{layout['world']} rank(s)"
+
+
 def picture(mesh: Mesh, gpus_per_node: Optional[int] = None) -> str:
     """The mesh as a grid of global ranks: a row per data-parallel replica (dp), a column per
     tensor-parallel (tp) or sequence-parallel (sp) index, and the node each row sits on when the GPUs per

@@ -13,6 +13,7 @@ from typing import Optional
 
 from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume, set_rng_state
 from .errors import ConfigError
+from .mesh import ranks_in_words
 
 
 def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
@@ -37,7 +38,7 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
         return None
     if saved_tp > 1 and 3 in (saved["zero_stage"], stage):
         raise ConfigError(
-            f"cannot resume this ZeRO-{saved['zero_stage']} checkpoint of {ranks(saved)} as ZeRO-{stage} with "
+            f"cannot resume this ZeRO-{saved['zero_stage']} checkpoint of {ranks_in_words(saved)} as ZeRO-{stage} with "
             f"{mesh.dp} data-parallel ranks: DeepSpeed 0.19.8's universal conversion fails on ZeRO-3 + "
             f"tensor-parallel checkpoints (ds_to_universal: 'exceeds dimension size'). Resume with "
             f"{saved['world']} data-parallel x {saved_tp} tensor-parallel ranks and ZeRO-{saved['zero_stage']}"
@@ -51,16 +52,6 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
             "--model_name_or_path"
         )
     return saved
-
-
-def ranks(layout: dict) -> str:
-    """A saved layout's ranks in words: "2 rank(s)", or "2 data-parallel x 2 tensor-parallel rank(s)"."""
-    tp, sp = layout.get("tensor_parallel", 1), layout.get("sequence_parallel", 1)
-    if tp > 1:
-        return f"{layout['world']} data-parallel x {tp} tensor-parallel rank(s)"
-    if sp > 1:
-        return f"{layout['world']} data-parallel x {sp} sequence-parallel rank(s)"
-    return f"{layout['world']} rank(s)"
 
 
 def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
@@ -178,11 +169,11 @@ def check_resume_layout(request: Optional[str], plan) -> None:
     saved = layout_change(where, plan.mesh, plan.zero_stage) if where else None
     if saved is None:
         return
-    if refusal := plan.adapter.resume_refusal(saved, ranks(saved)):
+    if refusal := plan.adapter.resume_refusal(saved, ranks_in_words(saved)):
         raise ConfigError(refusal)
     if plan.cfg.streaming:
         raise ConfigError(
-            f"this streamed run was saved by {ranks(saved)}; a stream's per-rank "
+            f"this streamed run was saved by {ranks_in_words(saved)}; a stream's per-rank "
             "position cannot move to another world size. Resume with the same number of ranks"
         )
 
@@ -203,8 +194,8 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
         return ResumePlan(where, where)
     now = plan.mesh.layout()
     log(
-        f"resume: {where[1]} was saved by {ranks(saved)} with ZeRO-{saved['zero_stage']}, this run has "
-        f"{ranks(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "
+        f"resume: {where[1]} was saved by {ranks_in_words(saved)} with ZeRO-{saved['zero_stage']}, this run has "
+        f"{ranks_in_words(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "
         "universal checkpoint"
     )
     return ResumePlan(where, to_universal(where, rank), saved)
