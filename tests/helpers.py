@@ -317,7 +317,7 @@ def dry_run_in_process(*args: str, world: int = 1, local_world: int | None = Non
 
 
 def load_tool(tool: str):
-    """tools/TOOL.py as a module (loaded once), without putting tools/ on sys.path for the rest of the suite."""
+    """tools/TOOL.py as a module (loaded once), under its own name (tools_TOOL), so it cannot shadow a package."""
     import importlib.util
 
     name = f"tools_{tool}"
