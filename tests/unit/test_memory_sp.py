@@ -77,7 +77,15 @@ def test_tiled_loss_and_mlp_match_a_real_forward_backward():
     lm_loss.install_tiled_mlp(model, zero3=False)
     real = fwd_bwd_peak_bytes(model, config, 1, 1024)
     predicted = activation_bytes(config, 1, 1024, BF16, False, loss_tile_tokens=128, tiled_mlp=True)
-    assert predicted.bytes == pytest.approx(real, rel=0.01)
+    assert predicted.bytes + cpu_bf16_copy(128, config.vocab_size) == pytest.approx(real, rel=0.01)
+
+
+def cpu_bf16_copy(tile_tokens: int, vocab: int) -> int:
+    """What the CPU kernels of a host without native bf16 (no AVX512-BF16, no AMX) hold on top: one more bf16
+    copy of a loss tile's logits at the peak (measured on such a 2-core Xeon: exactly 128 x 32768 x 2 bytes more,
+    with the tiled MLP and without it; the untiled loss matches there). The estimate models the GPU, which holds
+    no such copy; on hosts with native bf16 the measurement equals the trace."""
+    return 0 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else 2 * tile_tokens * vocab
 
 
 def test_longest_sequence_grows_with_the_gpus():
