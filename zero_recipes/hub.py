@@ -56,7 +56,8 @@ def dry_run_model_config(cfg: TrainConfig):
     name = cfg.model_name_or_path
     overrides = parse_model_config(cfg.model_config) or {}
     notes = ()
-    if name and cfg.lora_r > 0 and cfg.model_config is not None:  # lora.validate_options lets it through here only
+    # lora_options.validate_options lets LoRA with --model_config through for a dry run only
+    if name and cfg.lora_r > 0 and cfg.model_config is not None:
         notes = (
             f"--model_config stands in for the architecture of {name} in this dry run only: LoRA trains on the "
             "base's own weights, so launch it without --model_config",

@@ -58,7 +58,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
     """The CLI's arguments as train.py's command line."""
     argv = ["--recipe", args.recipe] if args.recipe else []
     if args.model:
-        # LoRA needs a pretrained base (zero_recipes.lora.validate_options); of a config.json the estimate reads
+        # LoRA needs a pretrained base (zero_recipes.lora_options.validate_options); of a config.json the estimate reads
         # only the architecture, which AutoConfig.from_pretrained reads from the file as well
         as_config = args.model.endswith(".json") and not lora_requested(args)
         argv += ["--model_config" if as_config else "--model_name_or_path", args.model]
