@@ -24,8 +24,6 @@ from . import export as exporting
 
 
 class FullFineTuning:
-    name = "full"
-
     def __init__(self, cfg):
         self.cfg = cfg
 

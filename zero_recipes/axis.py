@@ -23,7 +23,6 @@ from .mesh import Mesh
 
 
 class ParallelAxis:
-    name = ""
     owns_attention = False
     """The axis installs the attention kernel itself (Ulysses wraps it), so nothing else may replace it."""
     counts_tokens = False

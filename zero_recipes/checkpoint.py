@@ -221,7 +221,8 @@ def save(
     keep: int,
     rank_state: dict | None = None,
     hf_writer=None,
-    mesh_layout: dict | None = None,
+    *,
+    mesh_layout: dict,
 ) -> Path:
     """Save a checkpoint; its manifest, then `latest`, are written only after every rank's files are.
     `mesh_layout`: the saving mesh's sizes (mesh.Mesh.layout), recorded for a later resume to compare."""
@@ -244,7 +245,7 @@ def save(
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
     # every rank's files exist, and atomically.
     if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
-        sizes = dict(mesh_layout or {"world": engine.dp_world_size})
+        sizes = dict(mesh_layout)
         layout = {"world": sizes.pop("world"), "step": step, "zero_stage": int(engine.zero_optimization_stage())}
         # "manifest": this save writes one, so a checkpoint of it without one is a save that did not finish
         (d / tag / LAYOUT).write_text(json.dumps({**layout, **sizes, "manifest": True}))
@@ -312,7 +313,7 @@ class Checkpointer:
     """Saves this run's checkpoints into output_dir/checkpoints, keeping the newest `keep`; the loop calls
     `save` at its save steps and on preemption."""
 
-    def __init__(self, output_dir: Path, rank: int, keep: int, hf_writer=None, mesh_layout: dict | None = None):
+    def __init__(self, output_dir: Path, rank: int, keep: int, hf_writer, mesh_layout: dict):
         self.output_dir, self.rank, self.keep, self.hf_writer = output_dir, rank, keep, hf_writer
         self.mesh_layout = mesh_layout
 

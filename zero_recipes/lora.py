@@ -226,8 +226,6 @@ def load_for_inference(path: Path, dtype, as_trained: bool = True, load_in_4bit:
 class Lora(FullFineTuning):
     """LoRA adapters on a frozen pretrained base (peft), under every ZeRO stage."""
 
-    name = "lora"
-
     def check(self, model_config) -> None:
         check(self.cfg, model_config)  # a target the model lacks fails here, on the meta model
 
@@ -273,8 +271,6 @@ class Lora(FullFineTuning):
 
 class QLora(Lora):
     """LoRA on a base whose linear weights bitsandbytes holds in 4-bit NF4."""
-
-    name = "qlora"
 
     def load_kwargs(self, dtype) -> dict:
         return quantized_load(dtype)

@@ -28,7 +28,7 @@ def enabled(cfg) -> bool:
 
 def adapter_name(cfg) -> str:
     """How this run adapts the model: 'full' fine-tuning, 'lora', or 'qlora' (LoRA on a 4-bit base)."""
-    if cfg.lora_r <= 0:
+    if not enabled(cfg):
         return "full"
     return "qlora" if cfg.load_in_4bit else "lora"
 

@@ -100,11 +100,6 @@ class Mesh:
         the replica's, scaled by gradient_divisor / dp (metrics.LogWindow)."""
         return self.sp * self.dp // self.gradient_divisor(zero_stage)
 
-    def counts_every_rank(self) -> bool:
-        """Whether per-rank token counts add up over every rank (each holds its own rows or its own slice of
-        them) or over one rank per group (the ranks of a TP group share whole rows)."""
-        return self.tp == 1
-
     def check(self) -> None:
         """The axes combine (combinations.py) and each divides the world."""
         combinations.refuse({axis: n for axis, n in self.sizes.items() if n > 1})

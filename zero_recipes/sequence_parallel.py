@@ -27,6 +27,7 @@ from . import packed_attention
 from .axis import ParallelAxis
 from .ds_facts import zero_stage
 from .errors import ConfigError
+from .lm_loss import KNOWN_HEADS, knows_head
 
 ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses runs on: kernels that take no s x s mask (eager needs one and DeepSpeed rejects it)."""
@@ -59,7 +60,6 @@ def adopt_llamafactory_sequence_parallel(ds: dict) -> tuple[str, ...]:
 
 
 class SequenceParallel(ParallelAxis):
-    name = "sequence"
     owns_attention = True  # register_ulysses wraps the kernel (and packed_attention under it)
     counts_tokens = True  # per-slice means would weight the slices of a row unequally
 
@@ -68,8 +68,6 @@ class SequenceParallel(ParallelAxis):
         return adopt_llamafactory_sequence_parallel(ds)
 
     def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
-        from .lm_loss import knows_head
-
         return check(self.mesh, model_config, ds, cfg, knows_head(model_config))
 
     def before_build(self, cfg, model_config, log) -> None:
@@ -94,9 +92,8 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
     return notes for what is allowed but worth knowing. `known_head`: lm_loss computes this family's loss."""
     if mesh.sp == 1:
         return ()
-    sp, text = mesh.sp, model_config.get_text_config()
-    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    check_split(sp, text.num_attention_heads, kv, cfg.block_size)
+    sp, kv = mesh.sp, kv_heads(model_config)
+    check_split(sp, model_config, cfg.block_size)
     _check_training(sp, model_config, ds, cfg, known_head)
     notes = []
     if sp > kv:
@@ -104,11 +101,15 @@ def check(mesh, model_config, ds: dict, cfg, known_head: bool) -> tuple[str, ...
     return tuple(notes)
 
 
-def check_split(
-    sp: int, heads: int, kv: int, block_size: int, length: str = "block_size", flag: str = "--block_size"
-) -> None:
+def kv_heads(model_config) -> int:
+    text = model_config.get_text_config()
+    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def check_split(sp: int, model_config, block_size: int, length: str = "block_size", flag: str = "--block_size") -> None:
     """Ulysses splits heads after its all-to-all and every sequence before it: both must divide. `length`
     names the sequence length in the refusal (the memory estimate says "the sequence length")."""
+    heads, kv = model_config.get_text_config().num_attention_heads, kv_heads(model_config)
     if heads % sp:
         raise ConfigError(
             f"sequence_parallel_size = {sp} does not divide the model's {heads} attention heads; use a size that "
@@ -161,8 +162,6 @@ def _is_sft(cfg) -> bool:
 
 
 def _known() -> list[str]:
-    from .lm_loss import KNOWN_HEADS
-
     return sorted(KNOWN_HEADS)
 
 

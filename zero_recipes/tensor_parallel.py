@@ -16,8 +16,6 @@ from .errors import ConfigError
 
 
 class TensorParallel(ParallelAxis):
-    name = "tensor"
-
     def configure(self, ds: dict) -> None:
         gather_logits(ds["tensor_parallel"])
 

@@ -6,7 +6,16 @@ import json
 import pytest
 from transformers import AutoConfig
 
-from zero_recipes import combinations, ds_config, ds_facts, mesh as parallel, modes, resume, tensor_parallel
+from zero_recipes import (
+    combinations,
+    ds_config,
+    ds_facts,
+    lora_options,
+    mesh as parallel,
+    modes,
+    resume,
+    tensor_parallel,
+)
 from zero_recipes.config import ConfigError, TrainConfig
 from zero_recipes.model import TINY_LLAMA
 
@@ -68,7 +77,7 @@ def test_a_world_size_the_tp_size_does_not_divide_is_refused():
 def check(tp: int, config=TINY, stage: int = 1, **fields):
     ds = {"zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
     cfg = TrainConfig(**fields)  # what plan.RunPlan.from_args asks: the modes' pairs, then the axis
-    combinations.refuse(combinations.modes({"tensor": tp}, stage, "lora" if cfg.lora_r else "full"))
+    combinations.refuse(combinations.modes({"tensor": tp}, stage, lora_options.adapter_name(cfg)))
     return tensor_parallel.TensorParallel(parallel.Mesh(tp, tp)).check(config, ds, cfg)
 
 

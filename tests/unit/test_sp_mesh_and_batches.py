@@ -6,7 +6,15 @@ import torch
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zero_recipes import combinations, ds_config, ds_facts, mesh as parallel, packed_attention, sequence_parallel
+from zero_recipes import (
+    combinations,
+    ds_config,
+    ds_facts,
+    lora_options,
+    mesh as parallel,
+    packed_attention,
+    sequence_parallel,
+)
 from zero_recipes.config import ConfigError, TrainConfig
 from zero_recipes.data.packing import collate
 from zero_recipes.model import TINY_LLAMA
@@ -54,7 +62,7 @@ def check(world=2, sp=2, fragments=("ds_configs/zero3.json",), config=TINY, **fi
     cfg = TrainConfig(
         **{"block_size": 128, **fields}
     )  # what plan.RunPlan.from_args asks: the modes' pairs, then the axis
-    combinations.refuse(combinations.modes({"sequence": sp}, ds_facts.zero_stage(ds), "lora" if cfg.lora_r else "full"))
+    combinations.refuse(combinations.modes({"sequence": sp}, ds_facts.zero_stage(ds), lora_options.adapter_name(cfg)))
     return sequence_parallel.check(parallel.Mesh(world, sp=sp), config, ds, cfg, known_head=True)
 
 

@@ -137,9 +137,7 @@ def estimate(
     combinations.refuse(combinations.modes(mesh.sizes, zero_stage(ds), "full"))
     tp, sp = mesh.tp, mesh.sp
     if sp > 1:
-        text = model_config.get_text_config()
-        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        check_split(sp, text.num_attention_heads, kv, launch.seq_len, "the sequence length", "--seq_len")
+        check_split(sp, model_config, launch.seq_len, "the sequence length", "--seq_len")
     dp = mesh.zero_shards  # ZeRO's N
     shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
     if shape.tp != tp:

@@ -33,8 +33,7 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo:
     resolved = ds_config.resolve(raw, cfg, explicit, world, hidden)
     cfg = resolved.cfg
     ds = ds_config.with_steps(resolved.ds, cfg, 1000)
-    mesh = Mesh.of(world, ds)
-    mesh.check()
+    mesh = Mesh.of(world, ds)  # checked by ds_config.resolve
     # what train.py refuses, refused the same way; but the estimate sizes QLoRA under ZeRO-3 as well, which
     # train.py refuses (as before: issue 30 changed no output of the estimator)
     active = combinations.modes(mesh.sizes, zero_stage(ds), lora_options.adapter_name(cfg))
