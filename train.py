@@ -51,7 +51,6 @@ from zero_recipes.errors import ConfigError
 from zero_recipes.export import partitioned, verify_export
 from zero_recipes.mesh import picture as mesh_picture
 from zero_recipes.plan import RunPlan
-from zero_recipes.runner import EagerRunner
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -100,7 +99,7 @@ def main(argv: list[str], instrument=None) -> int:
         plan.adapter.files_writer(engine, tokenizer),
         plan.mesh.layout(),
     )
-    runner = EagerRunner(engine, plan, rank, prepared.sft)
+    runner = plan.parallelism.runner(engine, plan, rank, prepared.sft)
     run = loop.Loop(engine, runner, plan, order, prepared, log_file, checkpointer, stop, rank, log)
     outcome = loop.fit(instrument(run) if instrument else run, step)
     if not outcome.finished:
@@ -111,7 +110,7 @@ def main(argv: list[str], instrument=None) -> int:
     with run_dir.recording(plan.output_dir, rank):  # what the export writes is this run's (run_files.json)
         plan.adapter.export(engine, tokenizer, plan.output_dir, rank, DTYPES[plan.precision], log)
     if plan.cfg.verify_export:
-        diff = check_export(engine, plan, prepared, order, rank)
+        diff = check_export(engine, runner, plan, prepared, order, rank)
         if rank == 0:
             log(f"export check: max |logits(reloaded) - logits(engine)| = {diff:.3g}")
             log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
@@ -180,6 +179,7 @@ def build_model(plan: RunPlan, rank: int, log):
     n_params = modeling.num_params(model)
     lm_loss.install_for_run(model, plan, log)
     model = plan.adapter.wrap(model, log)
+    model = plan.parallelism.split(model, plan.ds, log)  # a pipeline: this rank's stage of the layers
     if partitioned(model):
         log(
             f"model: built under zero.Init; rank {rank} holds {modeling.partition_numel(model)} of {n_params} "
@@ -219,13 +219,13 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
         )
 
 
-def check_export(engine, plan: RunPlan, prepared, order, rank: int):
+def check_export(engine, runner, plan: RunPlan, prepared, order, rank: int):
     """Reload the export on rank 0 as a user would and compare its logits with the engine's on one probe row."""
     rows = prepared.probe_rows
     probe = data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch()
     probe = probe["input_ids"][:1, :64].to(engine.device)
     dtype = DTYPES[plan.precision]
-    return verify_export(engine, probe, rank, lambda: plan.adapter.reload(plan.output_dir, dtype))
+    return verify_export(engine, probe, rank, lambda: plan.adapter.reload(plan.output_dir, dtype), runner.logits)
 
 
 def dry_run(plan: RunPlan, log) -> int:

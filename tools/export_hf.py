@@ -11,7 +11,7 @@ merged in; the base is read from where the adapter config names it.
     python tools/export_hf.py outputs/tiny-lora-sft merged/ --merge The weights come from DeepSpeed's own
 consolidation (`deepspeed.utils.zero_to_fp32`), in its lazy mode: one parameter is gathered from the
 rank files at a time and written shard by shard, so memory stays near one copy of the weights in the
-output dtype. It runs on one CPU process whatever the world size that saved the checkpoint.
+output dtype. A pipeline checkpoint's layer files are whole layers: their names are mapped to the HF model's. It runs on one CPU process whatever the world size that saved the checkpoint.
 """
 
 from __future__ import annotations
@@ -48,13 +48,17 @@ def check_complete(ckpt: Path) -> int:
     with a manifest has passed check_intact already; this counts them for one saved before manifests."""
     import torch
 
-    model_files = sorted(ckpt.glob("*model_states.pt"))
+    model_files = sorted(f for f in ckpt.glob("*model_states.pt") if not is_layer_file(f))
     if not model_files:
         raise ConfigError(f"{ckpt} has no model_states.pt file: the save did not finish; export an earlier checkpoint")
     state = torch.load(model_files[0], map_location="cpu", weights_only=False, mmap=True)  # only its header is read
     stage = int(state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
-    # one optimizer-state file per (data-parallel, tensor-parallel) rank
+    # one optimizer-state file per (data-parallel, tensor-parallel or pipeline-stage) rank
     world = int(state.get("dp_world_size", 1)) * int(state.get("mp_world_size", 1) or 1)
+    if pipeline_layer_files(ckpt) and len(model_files) != int(state.get("mp_world_size", 1) or 1):
+        raise ConfigError(
+            f"{ckpt} is incomplete: {len(model_files)} of {state['mp_world_size']} pipeline stages' files"
+        )
     optim = sorted(ckpt.glob("*optim_states.pt"))
     if stage >= 1 and len(optim) != world:
         raise ConfigError(
@@ -75,8 +79,40 @@ def tensor_parallel_degree(ckpt: Path) -> int:
     """The AutoTP degree that saved a checkpoint (1: none): its model-state files hold TP shards then."""
     import torch
 
+    if pipeline_layer_files(ckpt):
+        return 1  # a pipeline's model-parallel size is its stage count; its layers are whole
     state = torch.load(next(ckpt.glob("*model_states.pt")), map_location="cpu", weights_only=False, mmap=True)
     return int(state.get("mp_world_size", 1) or 1)
+
+
+def is_layer_file(f: Path) -> bool:
+    return f.name.startswith("layer_")
+
+
+def pipeline_layer_files(ckpt: Path) -> list[Path]:
+    """A pipeline checkpoint's per-layer weights, in layer order (DeepSpeed's layer_XX-model_states.pt)."""
+    return sorted((f for f in ckpt.glob("layer_*-model_states.pt")), key=lambda f: int(f.name[6:].split("-")[0]))
+
+
+def write_pipeline(ckpt: Path, out: Path, dtype, max_shard_size: str) -> None:
+    """A pipeline checkpoint holds one file per pipeline layer, each that layer's own state dict (whole
+    weights, whatever the ZeRO stage: ZeRO-1 partitions only the optimizer states). Their keys become the HF
+    names (pipeline_model.hf_name, which knows the layer order train.py split the model into)."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig
+
+    from zero_recipes.pipeline_model import hf_name, tied
+
+    config = AutoConfig.from_pretrained(ckpt / HF_FILES)
+    n_layers = config.get_text_config().num_hidden_layers
+    sd = {}
+    for f in pipeline_layer_files(ckpt):
+        index = int(f.name[6:].split("-")[0])
+        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+            if (name := hf_name(index, key, n_layers, tied(config))) is not None:
+                sd[name] = value.to(dtype) if value.is_floating_point() else value
+    save_torch_state_dict(sd, str(out), max_shard_size=max_shard_size, safe_serialization=True)
 
 
 def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, merge: bool = False) -> Path:
@@ -99,7 +135,9 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, mer
                 out_dir.rmdir()
             tmp.replace(out_dir)
             return ckpt
-        if tensor_parallel_degree(ckpt) > 1:
+        if pipeline_layer_files(ckpt):
+            write_pipeline(ckpt, tmp, getattr(torch, DTYPES[dtype]), max_shard_size)
+        elif tensor_parallel_degree(ckpt) > 1:
             if stage == 3:
                 raise ConfigError(
                     f"{ckpt} is a ZeRO-3 + tensor-parallel checkpoint, which DeepSpeed 0.19.8 cannot convert "

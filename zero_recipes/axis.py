@@ -1,6 +1,6 @@
 """The interface of a parallel axis, and a run's axes together.
 
-Each axis (tensor_parallel.py, sequence_parallel.py; pipeline and expert next) is one class in its own module
+Each axis (tensor_parallel.py, sequence_parallel.py, pipeline_parallel.py; expert next) is one class in its own module
 with these hooks, in the order a run calls them. A hook an axis does not need keeps the default here, so
 adding an axis is its module plus one line in modes.AXES: nothing else asks which axes a run has.
 
@@ -9,7 +9,9 @@ adding an axis is its module plus one line in modes.AXES: nothing else asks whic
     check(model_config, ds, cfg) -> notes   before any process group: what this model or run cannot split
     zero_init_config(ds)      the dict transformers hands zero.Init while it builds the model
     before_build(cfg, model_config, log)    after the process group, before the model: collective set-up
+    split(model, ds, log) -> model          after the adapter wraps it: what deepspeed.initialize gets
     mpu()                     what deepspeed.initialize(mpu=...) takes
+    runner() -> class         how one step runs, when not runner.EagerRunner (the pipeline's train_batch)
     count_group()             the group over which per-rank token counts add up once (None: the world)
     shard(batch, rank)        this rank's part of a micro-batch its group shares
 
@@ -27,6 +29,8 @@ class ParallelAxis:
     """The axis installs the attention kernel itself (Ulysses wraps it), so nothing else may replace it."""
     counts_tokens = False
     """Every step's loss is normalised by its trained tokens (per-slice means would weight slices unequally)."""
+    owns_loss = False
+    """The axis computes the loss itself (the pipeline's last stage), so train.py's tiled loss is not installed."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -47,7 +51,13 @@ class ParallelAxis:
     def before_build(self, cfg, model_config, log) -> None:
         pass
 
+    def split(self, model, ds: dict, log):
+        return model
+
     def mpu(self):
+        return None
+
+    def runner(self):
         return None
 
     def count_group(self):
@@ -72,6 +82,10 @@ class Parallelism:
     def counts_tokens(self) -> bool:
         return any(a.counts_tokens for a in self.axes)
 
+    @property
+    def owns_loss(self) -> bool:
+        return any(a.owns_loss for a in self.axes)
+
     def configure(self, ds: dict) -> None:
         for a in self.axes:
             a.configure(ds)
@@ -88,8 +102,20 @@ class Parallelism:
         for a in self.axes:
             a.before_build(cfg, model_config, log)
 
+    def split(self, model, ds: dict, log):
+        for a in self.axes:
+            model = a.split(model, ds, log)
+        return model
+
     def mpu(self):
         return next((m for a in self.axes if (m := a.mpu()) is not None), None)
+
+    def runner(self, engine, plan, rank: int, sft: bool):
+        """The run's runner: its axis's own (pipeline) or the eager one."""
+        from .runner import EagerRunner
+
+        cls = next((c for a in self.axes if (c := a.runner()) is not None), EagerRunner)
+        return cls(engine, plan, rank, sft)
 
     def count_group(self):
         return next((g for a in self.axes if (g := a.count_group()) is not None), None)

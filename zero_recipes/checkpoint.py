@@ -20,7 +20,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP and SP sizes and ZeRO stage that saved it
+LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP, SP and PP sizes and ZeRO stage that saved it
 UNIVERSAL_SUFFIX = "-universal"
 HF_FILES = "hf"  # per checkpoint: config, generation config and tokenizer, so tools/export_hf.py needs nothing else
 MANIFEST = "manifest.json"  # per checkpoint: {"files": {path inside the tag directory: bytes}}
@@ -107,6 +107,7 @@ def damage(tag_dir: Path) -> Optional[str]:
         return f"{MANIFEST} is missing: the save did not finish"
     else:
         ranks = layout.get("world", 1) * layout.get("tensor_parallel", 1) * layout.get("sequence_parallel", 1)
+        ranks *= layout.get("pipeline_parallel", 1)
         expected = {f"rng_state_{r}.pt": None for r in range(ranks) if layout}
         if not any(tag_dir.glob("*model_states.pt")):
             return "no model_states.pt file is there"

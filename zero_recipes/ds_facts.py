@@ -38,3 +38,11 @@ def tensor_parallel_size(ds: dict) -> int:
 def sequence_parallel_size(ds: dict) -> int:
     """The Ulysses degree a DeepSpeed dict asks for (1: none)."""
     return max(1, int(ds.get("sequence_parallel_size", 1) or 1))
+
+
+def pipeline_parallel_size(ds: dict) -> int:
+    """The pipeline stages a DeepSpeed dict asks for (`"pipeline": {"stages": N}`; 1: none). DeepSpeed's own
+    default, "auto", leaves the count to the model code: train.py has none of its own, so "auto" is 1."""
+    block = ds.get("pipeline") or {}
+    stages = block.get("stages", 1) if isinstance(block, dict) else 1
+    return stages if isinstance(stages, int) and stages > 1 else 1

@@ -3,8 +3,9 @@
 The trained weights may be ZeRO-3 partitions (each rank a 1/N slice of every parameter), AutoTP shards (each
 rank a slice of each split layer), or whole on every rank. `gathered_parameters` is the one view of them all:
 full-size tensors on rank 0's CPU, one layer at a time. Everything that writes or checks weights (the HF
-export, the LoRA adapter and its merge, the export check) reads through it; a new holder of parameters
-(pipeline stages) is taught here, once.
+export, the LoRA adapter and its merge, the export check) reads through it. Pipeline stages (each rank a
+few whole layers) are the model's own answer (pipeline_model.PipelinedCausalLM.full_state_dict, which knows
+the stages' HF names); `full_state_dict` asks it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def gathered_parameters(module, rank: int, trainable_only: bool = False) -> Opti
 def full_state_dict(module, rank: int) -> Optional[dict]:
     """The trained weights as a CPU state dict on rank 0 (None elsewhere): the gathered parameters plus the
     persistent buffers. ZeRO-3 saves with empty placeholder weights (LLaMA-Factory #253) come from skipping the
-    gather; under tensor parallelism a shard is never written as if it were the whole weight."""
+    gather; under tensor parallelism a shard is never written as if it were the whole weight, nor a pipeline
+    stage's layers as if they were the model."""
+    if hasattr(module, "full_state_dict"):  # pipeline stages: each rank sends its layers under their HF names
+        return module.full_state_dict(rank)
     if not partitioned(module) and not tensor_parallel(module):
         if rank != 0:
             return None
@@ -110,16 +114,20 @@ def export_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
     torch.distributed.barrier()
 
 
-def verify_export(engine, probe, rank: int, reload: Callable[[], object]) -> Optional[float]:
+def verify_export(
+    engine, probe, rank: int, reload: Callable[[], object], engine_logits: Callable[[object], object]
+) -> Optional[float]:
     """Reload the export on rank 0 with `reload` (the adapter's: plain `from_pretrained`, or a PEFT adapter
-    onto its base) and return the max |logit difference| against the engine on the same input (all ranks run
-    the engine: ZeRO-3 forwards are collective)."""
+    onto its base) and return the max |logit difference| against the engine on the same input, whose logits
+    `engine_logits` gives on rank 0 (the runner's: all ranks run the engine, as ZeRO-3 forwards and a
+    pipeline's stages are collective)."""
     import torch
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     engine.eval()
     with torch.no_grad():
-        ref = engine(input_ids=probe).logits.float().cpu()
+        ref = engine_logits(probe)
+        ref = ref.float().cpu() if ref is not None else None
     diff = None
     if rank == 0:
         unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init

@@ -196,7 +196,9 @@ def install_for_run(model, plan, log) -> None:
     """train.py's own loss (tiled over the sequence; always under SP) and the tiled MLP, where they apply to
     the run `plan` (plan.RunPlan). Under ZeRO-3 the ranks agree on their tile counts (`agreed_tiles`)."""
     cfg, model_config, sp, zero3 = plan.cfg, plan.model_config, plan.mesh.sp, plan.zero_stage == 3
-    if applies(cfg, model_config, sp):
+    if plan.parallelism.owns_loss:
+        log("loss: train.py's, on the pipeline's last stage (the head is a stage's layer: not tiled)")
+    elif applies(cfg, model_config, sp):
         tokens = tile_tokens(cfg, model_config)
         install(model, tokens, cfg.tiled_loss, zero3)
         local = cfg.per_device_train_batch_size * cfg.block_size // sp

@@ -4,14 +4,18 @@ what DeepSpeed averages gradients over and what a metric counts once per group.
 
     world = data-parallel x tensor-parallel        rank = dp_rank * tp + tp_rank
     world = data-parallel x sequence-parallel      rank = dp_rank * sp + sp_rank
+    world = pipeline stages x data-parallel        rank = stage * dp + dp_rank
 
 The model-parallel axes (tensor, sequence; pipeline and expert next) sit innermost, as DeepSpeed lays them
 out: its (data, tensor) mesh puts the tensor dimension innermost (`utils/groups._init_tp_mesh_device`) and
 parallel_state_sp makes an SP group of consecutive ranks. So a group is `group` consecutive ranks, on one node
 when it divides the GPUs per node, which is where its all-reduces and all-to-alls belong (NVLink, not the
 network). Every rank of a group feeds the same rows, so the data order, eval and every count are sharded by
-data-parallel rank. What each axis does with its group is its own module's (tensor_parallel.py,
-sequence_parallel.py); which axes and modes combine is combinations.py's table.
+data-parallel rank. Pipeline stages sit outermost, as DeepSpeed's PipeDataParallelTopology lays them out
+(axes ['pipe', 'data']): a stage's replicas are consecutive ranks, so its gradient all-reduce stays on a node
+and only the activations between stages cross nodes, the traffic a pipeline is for. What each axis does with
+its group is its own module's (tensor_parallel.py, sequence_parallel.py, pipeline_parallel.py); which axes and
+modes combine is combinations.py's table.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import combinations
-from .ds_facts import sequence_parallel_size, tensor_parallel_size
+from .ds_facts import pipeline_parallel_size, sequence_parallel_size, tensor_parallel_size
 from .errors import ConfigError
 
 
@@ -30,14 +34,14 @@ class Mesh:
     tp: int = 1
     sp: int = 1
     pp: int = 1
-    """Pipeline stages: the next axis (combinations.py refuses it until its module lands)."""
+    """Pipeline stages (DeepSpeed's PipelineModule: pipeline_parallel.py)."""
     ep: int = 1
     """Expert-parallel ranks: the next axis after it."""
 
     @classmethod
     def of(cls, world: int, ds: dict) -> "Mesh":
         """The mesh a DeepSpeed dict asks for on `world` ranks."""
-        return cls(world, tensor_parallel_size(ds), sequence_parallel_size(ds))
+        return cls(world, tensor_parallel_size(ds), sequence_parallel_size(ds), pipeline_parallel_size(ds))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -46,8 +50,8 @@ class Mesh:
 
     @property
     def group(self) -> int:
-        """Ranks that train the same rows together: a TP group, an SP group, or 1."""
-        return self.tp * self.sp
+        """Ranks that train the same rows together: a TP group, an SP group, a pipeline, or 1."""
+        return self.tp * self.sp * self.pp
 
     @property
     def dp(self) -> int:
@@ -57,15 +61,23 @@ class Mesh:
     @property
     def zero_shards(self) -> int:
         """Ranks ZeRO partitions the model states over: the data-parallel ones under TP (DeepSpeed's (data,
-        tensor) mesh), every rank under SP (its seq_data_parallel_group is the world)."""
-        return self.world // self.tp
+        tensor) mesh), every rank under SP (its seq_data_parallel_group is the world), a stage's replicas under
+        PP (each stage has its own ZeRO-1 optimizer)."""
+        return self.world // (self.tp * self.pp)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(dp_rank, index within the TP or SP group) of a global rank."""
+        """(dp_rank, index within the TP or SP group, or pipeline stage) of a global rank."""
+        if self.pp > 1:
+            stage, dp_rank = divmod(rank, self.dp)
+            return dp_rank, stage
         return divmod(rank, self.group)
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.group
+        return self.coords(rank)[0]
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage a rank runs (0 without PP)."""
+        return rank // self.dp if self.pp > 1 else 0
 
     def sp_rank(self, rank: int) -> int:
         """Which slice of each sequence this rank trains (0 without SP)."""
@@ -79,7 +91,12 @@ class Mesh:
 
     def layout(self) -> dict:
         """What a checkpoint records of the mesh (checkpoint.LAYOUT), and what a resume compares with it."""
-        return {"world": self.dp, "tensor_parallel": self.tp, "sequence_parallel": self.sp}
+        return {
+            "world": self.dp,
+            "tensor_parallel": self.tp,
+            "sequence_parallel": self.sp,
+            "pipeline_parallel": self.pp,
+        }
 
     def eval_shard(self, rank: int) -> tuple[int, int]:
         """(this rank's share, shares) of the eval rows. Under SP, eval runs whole rows without SP (see
@@ -103,12 +120,12 @@ class Mesh:
     def check(self) -> None:
         """The axes combine (combinations.py) and each divides the world."""
         combinations.refuse({axis: n for axis, n in self.sizes.items() if n > 1})
-        for axis, n, key in (
-            ("sequence", self.sp, "sequence_parallel_size"),
-            ("tensor", self.tp, "tensor_parallel.autotp_size"),
+        for axis, n, key, short in (
+            ("sequence", self.sp, "sequence_parallel_size", "a sequence_parallel_size"),
+            ("tensor", self.tp, "tensor_parallel.autotp_size", "an autotp_size"),
+            ("pipeline", self.pp, "pipeline.stages", "a stage count"),
         ):
             if self.world % n:
-                short = "an autotp_size" if axis == "tensor" else "a sequence_parallel_size"
                 raise ConfigError(
                     f"{self.world} rank(s) cannot split into {axis}-parallel groups of {n}: the world size must be a "
                     f"multiple of {key}; launch {max(n, self.world - self.world % n)} ranks or pick {short} that "
@@ -121,7 +138,11 @@ def ranks_in_words(layout: dict) -> str:
     tensor-parallel rank(s)"."""
     inner = "".join(
         f" x {layout[key]} {axis}-parallel"
-        for axis, key in (("tensor", "tensor_parallel"), ("sequence", "sequence_parallel"))
+        for axis, key in (
+            ("tensor", "tensor_parallel"),
+            ("sequence", "sequence_parallel"),
+            ("pipeline", "pipeline_parallel"),
+        )
         if layout.get(key, 1) > 1
     )
     return f"{layout['world']} data-parallel{inner} rank(s)" if inner else f"{layout['world']} rank(s)"
@@ -129,17 +150,26 @@ def ranks_in_words(layout: dict) -> str:
 
 def picture(mesh: Mesh, gpus_per_node: Optional[int] = None) -> str:
     """The mesh as a grid of global ranks: a row per data-parallel replica (dp), a column per
-    tensor-parallel (tp) or sequence-parallel (sp) index, and the node each row sits on when the GPUs per
-    node are given. TP's per-layer all-reduces and SP's all-to-alls run along a row; ZeRO's gradient and
-    parameter collectives run down a column (under SP, across every rank)."""
+    tensor-parallel (tp) or sequence-parallel (sp) index or pipeline stage (pp), and the node each row sits on
+    when the GPUs per node are given. TP's per-layer all-reduces, SP's all-to-alls and a pipeline's activations
+    run along a row; ZeRO's gradient and parameter collectives run down a column (under SP, across every
+    rank). Under PP a stage's replicas are consecutive ranks, so a column, not a row, shares a node."""
     width = max(4, len(str(mesh.world - 1)) + 1)
-    node_col = gpus_per_node is not None
-    axis, n = ("sp", mesh.sp) if mesh.sp > 1 else ("tp", mesh.tp)
+    node_col = gpus_per_node is not None and mesh.pp == 1
+    axis, n = ("sp", mesh.sp) if mesh.sp > 1 else ("pp", mesh.pp) if mesh.pp > 1 else ("tp", mesh.tp)
+
+    def rank_of(d: int, t: int) -> int:
+        return t * mesh.dp + d if mesh.pp > 1 else d * n + t
+
     head = (
         ("        " if node_col else "") + "      " + "".join(f"{axis + ' ' + str(t):>{width + 2}}" for t in range(n))
     )
     rows = [head.rstrip()]
     for d in range(mesh.dp):
         node = f"node {d * n // gpus_per_node:<3}" if node_col else ""
-        rows.append(f"{node}dp {d:<3}" + "".join(f"{d * n + t:>{width + 2}}" for t in range(n)))
+        rows.append(f"{node}dp {d:<3}" + "".join(f"{rank_of(d, t):>{width + 2}}" for t in range(n)))
+    if gpus_per_node is not None and mesh.pp > 1:
+        spans = [(rank_of(0, t) // gpus_per_node, rank_of(mesh.dp - 1, t) // gpus_per_node) for t in range(n)]
+        cells = [str(a) if a == b else f"{a}-{b}" for a, b in spans]
+        rows.append("node  " + "".join(f"{c:>{width + 2}}" for c in cells))
     return "\n".join(rows)

@@ -11,11 +11,12 @@ from .adapter import FullFineTuning
 from .axis import Parallelism
 from .lora import Lora, QLora
 from .mesh import Mesh
+from .pipeline_parallel import PipelineParallel
 from .sequence_parallel import SequenceParallel
 from .tensor_parallel import TensorParallel
 
-AXES = {"tensor": TensorParallel, "sequence": SequenceParallel}
-"""By Mesh.sizes' names; the next ones are pipeline and expert."""
+AXES = {"tensor": TensorParallel, "sequence": SequenceParallel, "pipeline": PipelineParallel}
+"""By Mesh.sizes' names; the next one is expert."""
 
 ADAPTERS = {"full": FullFineTuning, "lora": Lora, "qlora": QLora}
 """By lora_options.adapter_name."""

@@ -33,9 +33,20 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
             f"autotp_size {saved_tp}, or export it (tools/export_hf.py) and start from the export with "
             "--model_name_or_path"
         )
+    saved_pp = saved.get("pipeline_parallel", 1)
+    if saved_pp != mesh.pp:
+        # each stage's optimizer states (ZeRO-0: mp_rank_XX, ZeRO-1: its partitions) belong to its layers
+        raise ConfigError(
+            f"cannot resume a checkpoint saved with pipeline.stages {saved_pp} at {mesh.pp} stage(s): each stage's "
+            f"optimizer states belong to its own layers, and DeepSpeed's universal checkpoint changes the "
+            f"data-parallel size only. Resume with {saved_pp} stages, or export it (tools/export_hf.py) and start "
+            "from the export with --model_name_or_path"
+        )
     saved_sp = saved.get("sequence_parallel", 1)
     if saved["world"] == mesh.dp and saved_sp == mesh.sp and saved["zero_stage"] == stage:
         return None
+    if saved_pp > 1 and saved["zero_stage"] == stage == 0:
+        return saved  # a stage's ZeRO-0 files hold its whole states, the same for every replica: loaded as saved
     if saved_tp > 1 and 3 in (saved["zero_stage"], stage):
         raise ConfigError(
             f"cannot resume this ZeRO-{saved['zero_stage']} checkpoint of {ranks_in_words(saved)} as ZeRO-{stage} with "
@@ -102,6 +113,8 @@ def convert_to_universal(where: tuple[Path, str], out: Optional[Path] = None) ->
             f"converting {load_dir / tag} to a universal checkpoint failed: "
             + (proc.stderr.strip().splitlines() or ["no output"])[-1]
         )
+    for f in (load_dir / tag).glob("layer_*-model_states.pt"):  # a pipeline's weights, which ds_to_universal
+        shutil.copy2(f, tmp / f.name)  # leaves out and PipelineEngine loads its module from
     tmp.replace(out)
     return out
 
@@ -146,7 +159,8 @@ def load(engine, where: tuple[Path, str], rank: int) -> tuple[dict, dict]:
 @dataclass(frozen=True)
 class ResumePlan:
     """Where a resumed run loads from. On another world size or ZeRO stage it loads DeepSpeed's universal
-    conversion of the checkpoint, while its data position still comes from the checkpoint as saved."""
+    conversion of the checkpoint (a pipeline's ZeRO-0 files as saved), while its data position still comes
+    from the checkpoint as saved."""
 
     saved_at: tuple[Path, str]
     """The checkpoint as saved: (directory holding the tags, tag)."""
@@ -157,7 +171,7 @@ class ResumePlan:
 
     def engine_config(self, ds: dict) -> dict:
         """The DeepSpeed dict to build the engine with: a universal checkpoint needs `load_universal`."""
-        if self.saved_layout is None:
+        if self.load_from == self.saved_at:
             return ds
         return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
@@ -193,6 +207,12 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     if saved is None:
         return ResumePlan(where, where)
     now = plan.mesh.layout()
+    if saved.get("pipeline_parallel", 1) > 1 and saved["zero_stage"] == plan.zero_stage == 0:
+        log(
+            f"resume: {where[1]} was saved by {ranks_in_words(saved)}, this run has "
+            f"{ranks_in_words(now).removesuffix(' rank(s)')}; every replica loads its stage's files as saved"
+        )
+        return ResumePlan(where, where, saved)
     log(
         f"resume: {where[1]} was saved by {ranks_in_words(saved)} with ZeRO-{saved['zero_stage']}, this run has "
         f"{ranks_in_words(now).removesuffix(' rank(s)')} with ZeRO-{plan.zero_stage}; converting it with DeepSpeed's "

@@ -1,15 +1,16 @@
 """How one optimizer step runs: the runner `fit()` drives, chosen once in setup.
 
-`EagerRunner` drives DeepSpeed's engine API (forward, backward, step per micro-batch) for every mode train.py
-has today; what differs between the modes is asked of the run's parallel axes (axis.Parallelism: a micro-batch
-sharded, the tokens counted over the right group) and decided here once. A pipeline runner (DeepSpeed's
-PipelineEngine: `train_batch()` / `eval_batch()` over the whole step) or another objective implements the same
-four calls, and `fit()` (loop.py) does not change:
+`EagerRunner` drives DeepSpeed's engine API (forward, backward, step per micro-batch) for every mode but the
+pipeline; what differs between the modes is asked of the run's parallel axes (axis.Parallelism: a
+micro-batch sharded, the tokens counted over the right group) and decided here once. The pipeline's runner
+(pipeline_runner.py: DeepSpeed's `train_batch()` / `eval_batch()` over the whole step), or another
+objective's, implements the same calls, and `fit()` (loop.py) does not change:
 
     micro_batch(batch)                       one micro-batch of the data order, on the device, this rank's part
     train_step(micro_batches, logging_step) -> (each micro-batch's loss, the grad norm or None)
     eval_rows(batch) -> (loss sum, label tokens, wrong tokens) per row
     count_group                              what per-rank sums are all-reduced over
+    logits(input_ids)                        the engine's logits on rank 0, for the export check
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class EagerRunner:
         """Per row of an eval batch (on the device, labels included): loss sum, label tokens, wrong argmax tokens."""
         labels = batch.pop("labels")
         return lm_loss.eval_row_stats(self.engine, self.engine.module, batch, labels)
+
+    def logits(self, input_ids):
+        """The engine's logits for `input_ids` (every rank runs the forward: ZeRO-3 gathers are collective)."""
+        return self.engine(input_ids=input_ids).logits
 
 
 def label_tokens(batch: dict):

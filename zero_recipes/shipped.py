@@ -23,6 +23,9 @@ TENSOR_PARALLEL: dict[int, str] = {n: f"ds_configs/tp{n}.json" for n in (2, 4, 8
 SEQUENCE_PARALLEL: dict[int, str] = {n: f"ds_configs/sp{n}.json" for n in (2, 4, 8)}
 """Ulysses fragments by degree, added after a ZeRO-1/2/3 combination: `ds_configs/zero3.json ds_configs/sp2.json`."""
 
+PIPELINE_PARALLEL: dict[int, str] = {n: f"ds_configs/pp{n}.json" for n in (2, 4, 8)}
+"""Pipeline fragments by stage count, added after ZeRO-0 or ZeRO-1: `ds_configs/zero1.json ds_configs/pp2.json`."""
+
 PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("ds_configs/bf16.json",)}
 """Fragments added for a precision (fp32 is the default: none)."""
 

@@ -25,6 +25,13 @@ TINY_VOCAB = (
     '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
 )
 
+PP2 = "ds_configs/pp2.json"
+ONE_LAYER = (
+    '{"model_type": "llama", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, '
+    '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
+)
+GPT2 = '{"model_type": "gpt2", "vocab_size": 4096, "n_embd": 32, "n_layer": 2, "n_head": 4}'
+
 
 @dataclass
 class Case:
@@ -64,6 +71,27 @@ CASES = [
     Case("nvme path missing", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json",
                                "--nvme_path", "{tmp}/nvme"),
          ("nvme_path", "does not exist; create it on the NVMe drive")),
+    # ---- pipeline parallelism: every refusal before any process group --------------------------------
+    Case("pipeline with ZeRO-2", ("--deepspeed", "ds_configs/zero2.json", PP2, "--dry_run"),
+         ("pipeline.stages = 2 with ZeRO-2", "ds_configs/zero1.json")),
+    Case("pipeline with ZeRO-3", ("--deepspeed", "ds_configs/zero3.json", PP2, "--max_steps", "1"),
+         ("pipeline.stages = 2 with ZeRO-3", "ds_configs/zero1.json")),
+    Case("pipeline with tensor parallelism", ("--deepspeed", "ds_configs/zero1.json", "ds_configs/tp2.json", PP2),
+         ("pipeline.stages = 2 with tensor_parallel.autotp_size = 2", "use one of them")),
+    Case("pipeline with sequence parallelism", ("--deepspeed", "ds_configs/zero1.json", "ds_configs/sp2.json", PP2),
+         ("pipeline.stages = 2 with sequence_parallel_size = 2", "use one of them")),
+    Case("more stages than layers", ("--deepspeed", "ds_configs/zero1.json", PP2, "--model_config", ONE_LAYER),
+         ("pipeline.stages = 2 exceeds the model's 1 decoder layers", "use at most 1 stages")),
+    Case("world not divisible by the stages", ("--deepspeed", "ds_configs/zero1.json", "ds_configs/pp4.json"),
+         ("2 rank(s) cannot split into pipeline-parallel groups of 4", "pick a stage count that divides")),
+    Case("a family that cannot be split", ("--deepspeed", "ds_configs/zero1.json", PP2, "--model_config", GPT2),
+         ("model type 'gpt2' cannot be split into pipeline stages", "ds_configs/zero3.json")),
+    Case("pipeline partition unknown", ("--deepspeed", "ds_configs/zero1.json", "{tmp}/pp.json"),
+         ("pipeline.partition = 'balanced' is not a way to split layers", '"uniform"'),
+         files={"pp.json": '{"pipeline": {"stages": 2, "partition": "balanced"}}'}),
+    Case("pipeline seed_layers", ("--deepspeed", "ds_configs/zero1.json", "{tmp}/pp.json"),
+         ("pipeline.seed_layers = true", "remove seed_layers"),
+         files={"pp.json": '{"pipeline": {"stages": 2, "seed_layers": true}}'}),
     # ---- data ----------------------------------------------------------------------------------------
     Case("missing dataset file", (*ZERO2, "--dataset_name", "{tmp}/nope.jsonl"), ("does not exist",)),
     Case("missing dataset file, dry run", ("--dataset_name", "{tmp}/nope.jsonl", "--dry_run"), ("does not exist",)),

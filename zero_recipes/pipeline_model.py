@@ -1,0 +1,227 @@
+"""A Hugging Face causal LM as DeepSpeed pipeline layers: the embedding, one layer per decoder block, the final
+norm, the head, and train.py's loss as the pipeline's `loss_fn`.
+
+DeepSpeed's PipelineModule runs a list of layers, each taking what the one before returned; only tensors (or
+tuples of them) cross between stages, and a float tensor that does not require grad crashes the sender's
+backward. So what a decoder block needs besides the hidden states travels as integer tensors: the position
+ids (packed rows restart them per example). Each block recomputes the rotary embedding and transformers'
+causal mask from them, as the model's own forward does once for all blocks, so a packed row attends per
+example in every stage. Padded rows need no mask: train.py pads on the right, and under a causal mask no real
+token sees the padding after it, whose targets are -100.
+
+The weights are the HF model's own modules, built as train.py builds any model (pretrained or seeded per
+module name, so PP trains the same initial weights as every other layout), then handed to the pipeline,
+which keeps a stage's layers and drops the rest. A tied embedding and head are one `TiedLayerSpec` on the
+first and last stages; DeepSpeed all-reduces the two copies' gradients. The head copy is a layer of its own
+(not a forward_fn), so each stage saves and loads its copy in its layer file.
+
+Families: those whose model forward is exactly embed -> (rotary, mask) -> blocks -> norm and whose logits are
+lm_head(hidden) (SPLITTABLE). Others are refused in one line before any process group starts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from torch import nn
+
+SPLITTABLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Families whose decoder is embed_tokens -> layers (rotary and mask from position ids) -> norm, and whose head
+is lm_head(norm(hidden)), with nothing between them (no embedding scale as Gemma's, no soft-capping)."""
+
+
+def refusal(model_config, stages: int) -> Optional[str]:
+    """Why this model cannot be split into `stages` pipeline stages, or None."""
+    family = model_config.model_type
+    if family not in SPLITTABLE:
+        return (
+            f"pipeline.stages = {stages}: model type '{family}' cannot be split into pipeline stages here (train.py "
+            f"splits {', '.join(sorted(SPLITTABLE))}); train it with ZeRO-3 (ds_configs/zero3.json) instead"
+        )
+    layers = model_config.get_text_config().num_hidden_layers
+    if stages > layers:
+        return (
+            f"pipeline.stages = {stages} exceeds the model's {layers} decoder layers: each stage needs at least one; "
+            f"use at most {layers} stages"
+        )
+    return None
+
+
+class Embedding(nn.Module):
+    """Layer 0: token ids -> hidden states; the position ids pass on."""
+
+    def __init__(self, embed_tokens: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, inputs):
+        input_ids, position_ids = inputs
+        return self.embed_tokens(input_ids), position_ids
+
+
+class TiedEmbedding(nn.Module):
+    """The tied embedding/head: on the first stage it embeds the token ids, on the last it is the head
+    (logits = hidden @ weight.T). One `weight`, as DeepSpeed's tied_weight_attr names it."""
+
+    def __init__(self, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.weight = embed_tokens.weight
+        self.padding_idx = embed_tokens.padding_idx
+
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            input_ids, position_ids = inputs
+            return nn.functional.embedding(input_ids, self.weight, self.padding_idx), position_ids
+        return nn.functional.linear(inputs, self.weight)
+
+
+class Block(nn.Module):
+    """One decoder block. Its rotary embedding (no weights: inv_freq is not saved) and mask are recomputed
+    from the position ids, as the model's forward computes them."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, index: int):
+        super().__init__()
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        self.layer, self.rotary, self.config = layer, rotary, config
+        types = getattr(config, "layer_types", None)
+        sliding = types[index] == "sliding_attention" if types else getattr(config, "sliding_window", None) is not None
+        self.make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+
+    def forward(self, inputs):
+        hidden, position_ids = inputs
+        mask = self.make_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        rotary = self.rotary(hidden, position_ids=position_ids)
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+        return out, position_ids
+
+
+class Norm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs):
+        return self.norm(inputs[0])
+
+
+class Head(nn.Module):
+    def __init__(self, lm_head: nn.Module):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, hidden):
+        return self.lm_head(hidden)
+
+
+class StepLoss:
+    """The pipeline's loss_fn: the summed cross-entropy of a micro-batch's targets divided by `normaliser`,
+    which the runner sets before each step to the whole step's label tokens over every replica, scaled so
+    that DeepSpeed's 1/accumulation and data-parallel mean leave the global token mean (runner.py's
+    `num_items_in_batch`). With `rows` set (eval), it returns each row's (loss sum, label tokens, wrong argmax
+    tokens) instead, as lm_loss.eval_row_stats does."""
+
+    def __init__(self):
+        self.normaliser = None
+        self.rows = False
+
+    def __call__(self, logits, targets):
+        import torch.nn.functional as F
+
+        logits = logits.float()
+        if self.rows:
+            valid = targets != -100
+            ce = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+            wrong = (logits.argmax(-1) != targets) & valid
+            return torch.stack([ce.sum(1), valid.sum(1).to(ce.dtype), wrong.sum(1).to(ce.dtype)], dim=1).double()
+        summed = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return summed / self.normaliser
+
+
+def tied(model_config) -> bool:
+    return bool(getattr(model_config.get_text_config(), "tie_word_embeddings", False))
+
+
+def pipeline_layers(model) -> list:
+    """The HF model's modules as the pipeline's layer list (see hf_name for their names)."""
+    decoder, config = getattr(model, model.base_model_prefix), model.config.get_text_config()
+    blocks = [Block(layer, decoder.rotary_emb, config, i) for i, layer in enumerate(decoder.layers)]
+    if tied(model.config):
+        head = TiedLayerSpec("embed", TiedEmbedding, decoder.embed_tokens, tied_weight_attr="weight")
+        return [head, *blocks, Norm(decoder.norm), head]
+    return [Embedding(decoder.embed_tokens), *blocks, Norm(decoder.norm), Head(model.get_output_embeddings())]
+
+
+def hf_name(index: int, key: str, n_layers: int, tied_head: bool, prefix: str = "model") -> Optional[str]:
+    """The HF state-dict name of pipeline layer `index`'s key `key` (its layer_XX-model_states.pt file holds
+    the layer's own state dict); None for the tied head's copy of the embedding (the export stores it once)."""
+    if index == 0:
+        return f"{prefix}.embed_tokens.weight" if tied_head else f"{prefix}.{key}"
+    if index <= n_layers:
+        return f"{prefix}.layers.{index - 1}.{key.removeprefix('layer.')}"
+    if index == n_layers + 1:
+        return f"{prefix}.{key}"
+    return None if tied_head else key
+
+
+class PipelinedCausalLM(PipelineModule):
+    """The pipeline of one HF causal LM. It answers what train.py's export asks of a model
+    (`config`, `save_pretrained`, the full state dict with HF names) though each rank holds one stage."""
+
+    def __init__(self, model, stages: int, partition: str, checkpoint_interval: int):
+        self.hf_class, self.prefix = type(model), model.base_model_prefix
+        layers = pipeline_layers(model)
+        self.n_layers = len(layers) - 3
+        super().__init__(
+            layers,
+            num_stages=stages,
+            loss_fn=StepLoss(),
+            partition_method=partition,
+            activation_checkpoint_interval=checkpoint_interval,
+            dynamic_shape=True,  # eval batches, unpacked SFT rows and the export probe differ in shape
+        )
+        self.config = model.config
+        self.tied_head = tied(model.config)
+        # DeepSpeed keeps the whole layer list (it reads it only while building); the other stages' layers
+        # would stay alive through it on every rank, the whole model's weights. Keep this stage's.
+        local = range(self._local_start, self._local_stop)
+        self._layer_specs = [spec if i in local else None for i, spec in enumerate(self._layer_specs)]
+
+    def stage_state_dict(self) -> dict:
+        """This stage's weights under their HF names (CPU copies), the tied head's copy left out."""
+        out = {}
+        for offset, layer in enumerate(self.forward_funcs):
+            if not isinstance(layer, nn.Module):
+                continue
+            for key, value in layer.state_dict().items():
+                name = hf_name(self._local_start + offset, key, self.n_layers, self.tied_head, self.prefix)
+                if name is not None:
+                    out[name] = value.detach().cpu().clone()
+        return out
+
+    def full_state_dict(self, rank: int) -> Optional[dict]:
+        """Collective: every stage's weights, whole, on rank 0 (None elsewhere). Each pipeline holds all of
+        them; the first pipeline's stages send theirs."""
+        first_pipeline = self._grid.get_data_parallel_rank() == 0
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, self.stage_state_dict() if first_pipeline else None)
+        if rank != 0:
+            return None
+        return {k: v for part in parts if part for k, v in part.items()}
+
+    def save_pretrained(self, out_dir, state_dict: dict, **kwargs) -> None:
+        """The HF model directory of `state_dict`, written through the model class's own save_pretrained on a
+        weightless (meta) instance: the same files, names and tied-weight handling as an unsplit model's."""
+        with torch.device("meta"):
+            shell = self.hf_class._from_config(self.config)
+        shell.save_pretrained(out_dir, state_dict=state_dict, **kwargs)

@@ -1,0 +1,91 @@
+"""Pipeline parallelism: DeepSpeed's PipelineModule (`"pipeline": {"stages": N}`), as one parallel axis.
+
+The model's layers are split into N stages, one per rank of a pipeline; micro-batches flow stage to stage
+(DeepSpeed's 1F1B schedule), and data parallelism (ZeRO-0 or ZeRO-1) runs across the pipelines. DeepSpeed
+lays the pipe axis outermost (mesh.py). How the HF model becomes pipeline layers is pipeline_model.py; how a
+step runs (`engine.train_batch` over the whole step) is pipeline_runner.py; the memory a stage holds is
+memory/pipeline.py.
+
+DeepSpeed parses the `pipeline` block (stages, partition, seed_layers, activation_checkpoint_interval,
+pipe_partitioned, grad_partitioned) but its engine reads only the last two; the module's arguments are the
+model code's to give. train.py gives them from the block, so each setting means what it says:
+
+    stages                          -> PipelineModule(num_stages=...), the mesh's pp
+    partition                       -> partition_method: "parameters" (DeepSpeed's default; its parsed default
+                                       "best" is no method of PipelineModule and means the same here),
+                                       "uniform", or "type:REGEX"
+    activation_checkpoint_interval  -> PipelineModule(activation_checkpoint_interval=...)
+    seed_layers                     -> refused when true: the weights come from --seed per module name
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from .axis import ParallelAxis
+from .errors import ConfigError
+
+PARTITIONS = ("parameters", "uniform")
+
+
+class PipelineParallel(ParallelAxis):
+    counts_tokens = True  # the loss is normalised by the whole step's label tokens (pipeline_runner.py)
+    owns_loss = True  # the last stage's loss_fn (pipeline_model.StepLoss)
+
+    def configure(self, ds: dict) -> None:
+        block = ds["pipeline"]
+        if block.get("partition", "best") == "best":
+            block["partition"] = "parameters"
+        block.setdefault("activation_checkpoint_interval", 0)
+
+    def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
+        from . import pipeline_model
+
+        block = ds["pipeline"]
+        if problem := pipeline_model.refusal(model_config, self.mesh.pp):
+            raise ConfigError(problem)
+        partition = str(block["partition"])
+        if partition not in PARTITIONS and not partition.startswith("type:"):
+            raise ConfigError(
+                f'pipeline.partition = {partition!r} is not a way to split layers; use "parameters" (balanced by '
+                'parameter count), "uniform" (the same number of layers per stage) or "type:REGEX"'
+            )
+        if block.get("seed_layers"):
+            raise ConfigError(
+                "pipeline.seed_layers = true: train.py seeds every module by its name from --seed, so the weights "
+                "are the same whatever the layout; remove seed_layers"
+            )
+        interval = block["activation_checkpoint_interval"]
+        if not isinstance(interval, int) or interval < 0:
+            raise ConfigError(
+                f"pipeline.activation_checkpoint_interval = {interval!r}: give a number of layers (0: off), or use "
+                "--gradient_checkpointing true"
+            )
+        if cfg.torch_compile:
+            raise ConfigError(
+                "--torch_compile with pipeline.stages: DeepSpeed's engine.compile() does not cover the pipeline "
+                "engine's schedule; drop --torch_compile"
+            )
+        return ()
+
+    def split(self, model, ds: dict, log):
+        """The HF model as this rank's pipeline stage (pipeline_model.PipelinedCausalLM); the other stages'
+        layers are dropped. DeepSpeed prints its partition table; the run logs its own line instead."""
+        from .pipeline_model import PipelinedCausalLM
+
+        block = ds["pipeline"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            module = PipelinedCausalLM(model, self.mesh.pp, block["partition"], block["activation_checkpoint_interval"])
+        parts = module.parts
+        spans = ", ".join(f"stage {s}: layers {parts[s]}-{parts[s + 1] - 1}" for s in range(self.mesh.pp))
+        log(
+            f"pipeline: {self.mesh.pp} stages of {len(module._layer_specs)} layers (embedding, "
+            f"{module.n_layers} blocks, norm, head) by {block['partition']}: {spans}"
+        )
+        return module
+
+    def runner(self):
+        from .pipeline_runner import PipelineRunner
+
+        return PipelineRunner
