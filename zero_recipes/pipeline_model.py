@@ -188,6 +188,9 @@ class PipelinedCausalLM(PipelineModule):
             loss_fn=StepLoss(),
             partition_method=partition,
             activation_checkpoint_interval=checkpoint_interval,
+            # DeepSpeed would checkpoint any chunk with parameters, the embedding's too, whose integer inputs
+            # leave its recomputed output without a grad_fn ("element 0 of tensors does not require grad")
+            checkpointable_layers=["Block"],
             dynamic_shape=True,  # eval batches, unpacked SFT rows and the export probe differ in shape
         )
         self.config = model.config

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -38,18 +40,22 @@ PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 4.8e-7 (lo
 SFT_PARITY = 2e-5  # packed SFT with gradient checkpointing: measured 6.7e-6 by step 7, as under TP
 NORM_PARITY = 1e-4  # relative; measured 5e-5 against the ZeRO-0 baseline's own norm (equal to ZeRO-1's bit for bit)
 
-# name -> (ranks, ZeRO stage, micro-batch, accumulation steps): 8 sequences a step in every layout
+# name -> (ranks, ZeRO stage, micro-batch, accumulation steps): 8 sequences a step in every layout. The ZeRO-1
+# run also recomputes every block in backward (DeepSpeed's pipeline.activation_checkpoint_interval = 1).
 LAYOUTS = {
     "pp2-zero0": (2, "zero0", 4, 2),
     "pp2-zero1": (2, "zero1", 4, 2),
     "pp2xdp2-zero1": (4, "zero1", 2, 2),
 }
+CHECKPOINT_EVERY_BLOCK = Path(tempfile.mkdtemp(prefix="pp-fragment-")) / "pp2-checkpointed.json"
+CHECKPOINT_EVERY_BLOCK.write_text('{"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}')
 
 
 def pp_args(name: str) -> list[str]:
     _, zero, micro, accumulation = LAYOUTS[name]
     batch = ["--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation)]
-    return FAST + ["--deepspeed", *CONFIGS[zero], PP2, *batch, "--save_steps", "4"]
+    fragment = str(CHECKPOINT_EVERY_BLOCK) if name == "pp2-zero1" else PP2
+    return FAST + ["--deepspeed", *CONFIGS[zero], fragment, *batch, "--save_steps", "4"]
 
 
 @pytest.fixture(scope="module")
