@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from helpers import REPO, launch
-from zero_recipes.shipped import ARCHITECTURES, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from zero_recipes.shipped import ARCHITECTURES, PIPELINE_PARALLEL, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
@@ -38,6 +38,9 @@ CATALOGUE = {
     # tensor-parallel recipes: their TP8 stood in for by TP2 on the 2 ranks (the tiny model has 2 KV heads)
     "llama-3.1-8b-sft-tp8.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
     "llama-3.1-70b-sft-tp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
+    # pipeline recipes: their 4 or 8 stages stood in for by 2 on the 2 ranks (the tiny model has 2 layers)
+    "llama-3.2-3b-sft-pp4-24gb.yaml": dict(data="ultrachat", nproc=2, stage=0, offload=(None, None), pp=2),
+    "llama-3.1-70b-sft-pp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), pp=2),
     # long context: its SP8 stood in for by SP2 on the 2 ranks, its 64k rows by the SFT block below
     "llama-3.1-8b-sft-longctx-sp8.yaml": dict(data="longalign", nproc=2, stage=3, offload=(None, None), sp=2),
 }
@@ -220,13 +223,11 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         "--max_eval_batches",
         "2",
     ]
-    tp, sp = spec.get("tp", 1), spec.get("sp", 1)
-    if tp > 1 or sp > 1:  # the recipe's own fragments, its TP or SP degree shrunk to the ranks here
-        fragments = [
-            TENSOR_PARALLEL[tp] if "/tp" in f else SEQUENCE_PARALLEL[sp] if "/sp" in f else f
-            for f in recipe["deepspeed"]
-        ]
-        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json or spN.json fragment to shrink"
+    tp, sp, pp = spec.get("tp", 1), spec.get("sp", 1), spec.get("pp", 1)
+    if tp > 1 or sp > 1 or pp > 1:  # the recipe's own fragments, its TP, SP or PP degree shrunk to the ranks here
+        shrunk = {"/tp": TENSOR_PARALLEL.get(tp), "/sp": SEQUENCE_PARALLEL.get(sp), "/pp": PIPELINE_PARALLEL.get(pp)}
+        fragments = [next((small for key, small in shrunk.items() if key in f), f) for f in recipe["deepspeed"]]
+        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json, spN.json or ppN.json fragment to shrink"
         args += ["--deepspeed", *fragments]
     launcher = "python" if spec["nproc"] == 1 else "deepspeed" if "multinode" in name else "forked"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
@@ -236,6 +237,9 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     if sp > 1:
         dp = spec["nproc"] // sp
         assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {sp} sequence-parallel" in run.log
+    if pp > 1:
+        dp = spec["nproc"] // pp
+        assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {pp} pipeline-parallel" in run.log
 
     losses = run.losses
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.log[-3000:]
@@ -251,10 +255,11 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     assert ds["train_micro_batch_size_per_gpu"] == recipe["per_device_train_batch_size"]
     assert ds["gradient_accumulation_steps"] == recipe["gradient_accumulation_steps"]
     assert ds["train_batch_size"] == (  # a tensor- or sequence-parallel group shares its micro-batch
-        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"] // (tp * sp)
+        recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * spec["nproc"] // (tp * sp * pp)
     )
     assert ds.get("tensor_parallel", {}).get("autotp_size", 1) == tp
     assert ds.get("sequence_parallel_size", 1) == sp
+    assert ds.get("pipeline", {}).get("stages", 1) == pp
     # and the rest of the run as shipped
     run_config = json.loads((run.output_dir / "run_config.json").read_text())
     for key in (
