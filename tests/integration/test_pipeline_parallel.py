@@ -227,3 +227,18 @@ def test_dry_run_draws_the_mesh_with_each_stage_a_column():
     assert [line.split() for line in grid] == [["pp", "0", "pp", "1"]] + [
         ["dp", str(d), str(d), str(4 + d)] for d in range(4)
     ] + [["node", "0", "1"]]  # a stage's replicas share a node; only activations cross to the next
+
+
+def test_the_mesh_in_the_docs_is_what_the_dry_run_draws():
+    doc = (REPO / "docs" / "parallelism.md").read_text()
+    header = "mesh (global ranks: a row per data-parallel replica, a column per pipeline-parallel index):\n"
+    drawn_in_docs = doc.split(header)[1].split("```", 1)[0]
+    args = [
+        "--recipe",
+        "recipes/llama-3.1-70b-sft-pp8-4nodes.yaml",
+        "--model_config",
+        "recipes/configs/llama-3.1-70b.json",
+    ]
+    out = dry_run_in_process(*args, world=32, local_world=8)
+    assert "32 ranks = 4 data-parallel x 8 pipeline-parallel" in out
+    assert drawn_in_docs in out and len(drawn_in_docs.splitlines()) == 6

@@ -131,7 +131,8 @@ def test_ds_configs_readme_lists_every_config():
 @pytest.mark.parametrize("row", ds_config_rows(), ids=lambda r: "+".join(Path(a).stem for a in r[1:]))
 def test_ds_configs_readme_row_resolves(row, tmp_path):
     extra = ["--nvme_path", str(tmp_path)] if any("nvme" in a for a in row) else []
-    if any(a.endswith(("tp4.json", "tp8.json", "sp8.json")) for a in row):  # the embedded Llama: 4 heads, 2 KV heads
+    # the embedded Llama: 4 heads, 2 KV heads, 4 layers
+    if any(a.endswith(("tp4.json", "tp8.json", "sp8.json", "pp8.json")) for a in row):
         extra += ["--model_config", "recipes/configs/llama-3.1-8b.json"]
     out = dry_run_in_process(*row, *extra)
     assert "resolved DeepSpeed config" in out and '"auto"' not in out
