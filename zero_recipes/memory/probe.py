@@ -13,7 +13,9 @@ C++ Adam's states and gloo's staging tensors included), blind to non-torch memor
 libraries). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
 host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
 
-Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step.
+Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step. Under
+pipeline parallelism (`"pipeline": {"stages": N}`) each rank runs its stage as train.py does (DeepSpeed's
+train_batch) and every instruction of the schedule is marked with its phase (`pipeline_steps`).
 
 The same reading of the allocator's events (`allocator_events`) serves the benchmarks' probes
 (tools/bench/profiled_train.py, longctx_probe.py) and the estimate tests' one forward+backward
@@ -40,6 +42,7 @@ def timeline(prof) -> dict:
     events = prof.profiler.kineto_results.events()
     marks, mem = allocator_events(events)
     live, peak, after_init = 0, dict.fromkeys(PHASES, 0), None
+    starts = [start for start, _, _ in marks]
     i = 0
     for t, nbytes in mem:
         live += nbytes
@@ -47,10 +50,19 @@ def timeline(prof) -> dict:
             if marks[i][2] == "init":
                 after_init = live - nbytes
             i += 1
-        phase = next((name for start, end, name in marks if start <= t <= end), None)
+        phase = phase_at(marks, starts, t)
         if phase:
             peak[phase] = max(peak[phase], live)
     return {"peak": peak, "after_init": after_init if after_init is not None else live, "end": live}
+
+
+def phase_at(marks: list, starts: list, t: int):
+    """The phase whose mark holds time t (marks sorted by start, none overlapping another), or None. Bisected:
+    a pipeline's step is dozens of marks, one per instruction of its schedule."""
+    import bisect
+
+    i = bisect.bisect_right(starts, t) - 1
+    return marks[i][2] if i >= 0 and marks[i][1] >= t else None
 
 
 def allocator_events(events) -> tuple[list, list]:
@@ -137,26 +149,56 @@ def main(argv: list[str]) -> int:
             model = modeling.build_model(cfg, model_config, torch.bfloat16 if bf16_load else torch.float32, rank)
             lm_loss.install_for_run(model, plan, quiet)  # as train.py: its own loss where it applies, tiled MLP
             model = adapter.wrap(model, quiet)
+            model = parallelism.split(model, ds, quiet)  # as train.py: a pipeline keeps this rank's stage
             engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
-        for batch in batches:
-            with record_function("phase:forward_backward"):
-                loss = engine(**batch, use_cache=False).loss
-                engine.backward(loss)
-            with record_function("phase:optimizer_step"):
-                engine.step()
+        if plan.mesh.pp > 1:
+            pipeline_steps(engine, plan, rank, batches, record_function)
+        else:
+            for batch in batches:
+                with record_function("phase:forward_backward"):
+                    loss = engine(**batch, use_cache=False).loss
+                    engine.backward(loss)
+                with record_function("phase:optimizer_step"):
+                    engine.step()
     mine = timeline(prof)
     mine["num_params"] = modeling.num_params(engine.module)
     mine["trainable_params"] = lora.trainable_count(engine.module)[0]
     mine["precision"] = plan.precision
     mine["tensor_parallel"] = plan.mesh.tp
     mine["sequence_parallel"] = plan.mesh.sp
+    mine["pipeline_parallel"], mine["stage"] = plan.mesh.pp, plan.mesh.stage(rank)
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:
         Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
     distributed.finish(0)
     return 0
+
+
+def pipeline_steps(engine, plan, rank: int, batches: list, record_function) -> None:
+    """STEPS optimizer steps of a pipeline as train.py runs them (pipeline_runner.PipelineRunner.train_step:
+    DeepSpeed's train_batch over the step's micro-batches), each instruction of DeepSpeed's schedule under its
+    phase: the optimizer step under optimizer_step, the rest (forwards, backwards, the gradient all-reduces, the
+    activations and gradients between stages) under forward_backward. The engine's instruction table is replaced
+    on this engine only, each entry wrapped, never changed."""
+    from deepspeed.runtime.pipe import schedule
+
+    def marked(fn, phase):
+        def run(self, *args, **kwargs):
+            with record_function(f"phase:{phase}"):
+                return fn(self, *args, **kwargs)
+
+        return run
+
+    engine._INSTRUCTION_MAP = {
+        kind: marked(fn, "optimizer_step" if kind is schedule.OptimizerStep else "forward_backward")
+        for kind, fn in type(engine)._INSTRUCTION_MAP.items()
+    }
+    runner = plan.parallelism.runner(engine, plan, rank, False)
+    per_step = plan.cfg.gradient_accumulation_steps
+    for start in range(0, len(batches), per_step):
+        runner.train_step([runner.micro_batch(b) for b in batches[start : start + per_step]], False)
 
 
 def random_batches(plan, rank: int) -> list[dict]:
