@@ -29,6 +29,12 @@ with 1/N of the heads), ZeRO partitions over every rank. The loss is train.py's:
 more tokens than one tile (--tiled_loss, --loss_tile_tokens), the MLP tiled with --tiled_mlp true. --table adds
 the longest sequence that fits on those GPU counts (neither option: 1, 2, 4 and 8) with sequence parallelism over
 all of them, printed after the table while it searches (a progress line on a terminal).
+Pipeline parallelism (DeepSpeed's PipelineModule, ZeRO-0 or ZeRO-1): the stage count comes from the merged config's
+pipeline.stages, or --pipeline_parallel N; the layers are split as DeepSpeed splits them (pipeline.partition), each
+stage's states are those of its layers over its data-parallel replicas, its activations those of the micro-batches
+it holds at once under the 1F1B schedule (--gradient_accumulation_steps micro-batches a step; the first stage holds
+the most), the last stage's the whole logits' loss. The peak per GPU is the worst stage's; --tokens counts the
+bubble. --table tries 2 and 4 stages with ZeRO-0/1 where they divide the GPUs of all nodes.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def print_one(e, cfg, args, gpu_memory) -> None:
             f"{e.sequence_parallel} sequence-parallel (Ulysses); each rank holds {cfg.block_size // e.sequence_parallel} "
             f"of every {cfg.block_size} tokens, ZeRO partitions over all {e.data_parallel} ranks"
         )
+    if e.pipeline:
+        print_pipeline(e)
     if e.tensor_parallel > 1:
         print(
             f"tensor parallel: {e.data_parallel} data-parallel x {e.tensor_parallel} tensor-parallel (AutoTP); each "
@@ -107,6 +115,24 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         )
 
 
+def print_pipeline(e) -> None:
+    """The layout, the worst stage and every stage, in the style of the TP and SP lines."""
+    pp, worst = e.pipeline, e.pipeline["stages"][e.pipeline["worst_stage"]]
+    last = len(pp["stages"]) - 1
+    which = " (the first)" if worst["stage"] == 0 else " (the last)" if worst["stage"] == last else ""
+    print(
+        f"pipeline parallel: {e.data_parallel} data-parallel x {e.pipeline_parallel} stages; stage {worst['stage']}"
+        f"{which} holds the most: {worst['holds']}, {worst['params']:,} of the {e.num_params:,} parameters, "
+        f"{worst['in_flight']} of {pp['micro_batches']} micro-batches in flight; {pp['micro_batches']} micro-batches "
+        f"a step, bubble {100 * pp['bubble']:.0f} %; ZeRO partitions a stage over its {e.data_parallel} replica(s)"
+    )
+    for st in pp["stages"]:
+        print(
+            f"  stage {st['stage']}: {st['holds']}, {st['params']:,} parameters, {st['in_flight']} in flight, peak "
+            f"{gb(st['peak_bytes'])} in {st['peak_phase']} (activations {gb(st['activations_bytes'])})"
+        )
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="hub id, local model directory, or config.json")
@@ -129,19 +155,23 @@ def parser() -> argparse.ArgumentParser:
         help="Ulysses size (GPUs per sequence-parallel group); default: the config's sequence_parallel_size, else 1",
     )
     ap.add_argument(
+        "--pipeline_parallel",
+        type=int,
+        help="pipeline stages (DeepSpeed PipelineModule, ZeRO-0/1); default: the config's pipeline.stages, else 1",
+    )
+    ap.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        help="train.py's; under a pipeline, its micro-batches a step (default: the recipe's, else 1)",
+    )
+    ap.add_argument(
         "--tiled_loss",
         choices=["true", "false"],
         help="train.py's --tiled_loss (default true: head and loss in tiles once a micro-batch exceeds one tile)",
     )
     ap.add_argument("--loss_tile_tokens", type=int, help="train.py's --loss_tile_tokens (default 0: auto)")
     ap.add_argument("--tiled_mlp", choices=["true", "false"], help="train.py's --tiled_mlp (default false)")
-    lora = ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)")
-    lora.add_argument("--lora_r", type=int, help="LoRA rank (0: full fine-tuning, the default)")
-    lora.add_argument("--lora_alpha", type=float)
-    lora.add_argument("--lora_dropout", type=float)
-    lora.add_argument("--lora_target_modules", nargs="+", help="default all-linear (every linear but the head)")
-    lora.add_argument("--modules_to_save", nargs="+", help="modules trained in full beside the adapters")
-    lora.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the frozen base's linear weights in NF4")
+    lora_arguments(ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)"))
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
     ap.add_argument(
@@ -162,6 +192,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def lora_arguments(lora) -> None:
+    lora.add_argument("--lora_r", type=int, help="LoRA rank (0: full fine-tuning, the default)")
+    lora.add_argument("--lora_alpha", type=float)
+    lora.add_argument("--lora_dropout", type=float)
+    lora.add_argument("--lora_target_modules", nargs="+", help="default all-linear (every linear but the head)")
+    lora.add_argument("--modules_to_save", nargs="+", help="modules trained in full beside the adapters")
+    lora.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the frozen base's linear weights in NF4")
+
+
 def check_args(args) -> None:
     if not args.model and not args.recipe:
         raise ConfigError("give --model (hub id, model dir or config.json) or --recipe recipes/X.yaml")
@@ -177,6 +216,8 @@ def check_args(args) -> None:
         raise ConfigError(f"--tensor_parallel must be >= 1 (got {args.tensor_parallel})")
     if args.sequence_parallel is not None and args.sequence_parallel < 1:
         raise ConfigError(f"--sequence_parallel must be >= 1 (got {args.sequence_parallel})")
+    if args.pipeline_parallel is not None and args.pipeline_parallel < 1:
+        raise ConfigError(f"--pipeline_parallel must be >= 1 (got {args.pipeline_parallel})")
     if not (0 < args.mfu <= 1):
         raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
 
@@ -251,6 +292,8 @@ def run_one(args, gpu_memory) -> None:
             e.precision,
             args.mfu,
             args.gpu_power,
+            e.pipeline_parallel,
+            e.pipeline["micro_batches"] if e.pipeline else 1,
         )
     if args.json:
         print(json.dumps(out, indent=2))
@@ -267,6 +310,7 @@ def print_compute(c: dict) -> None:
         f"{c['six_n_d_flops']:.3e}); at {c['mfu']:.0%} MFU on {c['gpus']} x {c['device']} "
         f"({c['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s dense): {c['wall_seconds'] / 86400:,.1f} days, "
         f"{c['gpu_hours']:,.0f} GPU-hours"
+        + (f" (pipeline bubble {c['pipeline_bubble']:.0%} of every step)" if c["pipeline_bubble"] else "")
         + (f", {c['energy_kwh']:,.0f} kWh at {c['board_power_w']:.0f} W per GPU" if "energy_kwh" in c else "")
     )
 

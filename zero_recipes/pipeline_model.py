@@ -21,11 +21,14 @@ lm_head(hidden) (SPLITTABLE). Others are refused in one line before any process 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
+
+from .errors import ConfigError
 
 SPLITTABLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Families whose decoder is embed_tokens -> layers (rotary and mask from position ids) -> norm, and whose head
@@ -43,8 +46,8 @@ def refusal(model_config, stages: int) -> Optional[str]:
     layers = model_config.get_text_config().num_hidden_layers
     if stages > layers:
         return (
-            f"pipeline.stages = {stages} exceeds the model's {layers} decoder layers: each stage needs at least one; "
-            f"use at most {layers} stages"
+            f"pipeline.stages = {stages} exceeds the model's {layers} decoder layers: a stage would hold no block "
+            f"of its own; use at most {layers} stages"
         )
     return None
 
@@ -146,6 +149,37 @@ class StepLoss:
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )
         return summed / self.normaliser
+
+
+def stage_boundaries(layers: list, stages: int, partition: str) -> list[int]:
+    """DeepSpeed's `_partition_layers` boundaries for `layers` (the first layer of each stage, then the end),
+    through its own counting and matching, which read only the layer list: what PipelineModule will do, known
+    before any process group (the axis's check, the memory estimate)."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime import utils as ds_utils
+
+    module = SimpleNamespace(_layer_specs=layers)
+    method = partition.lower()
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(layers), num_parts=stages)
+    if method == "parameters":
+        return ds_utils.partition_balanced(weights=PipelineModule._count_layer_params(module), num_parts=stages)
+    if method.startswith("type:"):
+        try:
+            found = set(PipelineModule._find_layer_type(module, method.split(":")[1]))
+        except RuntimeError as err:
+            names = ", ".join(dict.fromkeys(_layer_name(layer) for layer in layers))
+            raise ConfigError(
+                f"pipeline.partition = {partition!r} matches no layer (DeepSpeed: {err}); the layers are {names}: "
+                'name one of them, or use "parameters"'
+            ) from None
+        weights = [int(i in found) for i in range(len(layers))]
+        return ds_utils.partition_balanced(weights=weights, num_parts=stages)
+    raise ConfigError(f"pipeline.partition = {partition!r} is not a way to split layers")
+
+
+def _layer_name(layer) -> str:
+    return getattr(layer, "typename", type(layer)).__name__
 
 
 def tied(model_config) -> bool:

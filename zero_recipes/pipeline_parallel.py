@@ -41,6 +41,7 @@ class PipelineParallel(ParallelAxis):
 
     def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
         from . import pipeline_model
+        from .model import meta_model
 
         block = ds["pipeline"]
         if problem := pipeline_model.refusal(model_config, self.mesh.pp):
@@ -51,6 +52,10 @@ class PipelineParallel(ParallelAxis):
                 f'pipeline.partition = {partition!r} is not a way to split layers; use "parameters" (balanced by '
                 'parameter count), "uniform" (the same number of layers per stage) or "type:REGEX"'
             )
+        # the split DeepSpeed will make, made now: a "type:REGEX" that matches no layer fails here, not after
+        # the process groups have started
+        layers = pipeline_model.pipeline_layers(meta_model(model_config))
+        pipeline_model.stage_boundaries(layers, self.mesh.pp, partition)
         if block.get("seed_layers"):
             raise ConfigError(
                 "pipeline.seed_layers = true: train.py seeds every module by its name from --seed, so the weights "

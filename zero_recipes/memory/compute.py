@@ -28,16 +28,22 @@ def training_compute(
     dtype: str,
     mfu: float,
     power_w: float | None,
+    pipeline_stages: int = 1,
+    micro_batches: int = 1,
 ) -> dict:
     """Total FLOPs (6N per token plus attention, the FLOPs function train.py uses), wall time and GPU-hours at
-    the stated MFU, and energy at board power."""
+    the stated MFU, and energy at board power. Under pipeline parallelism the GPUs also idle through the 1F1B
+    schedule's bubble, (p - 1) / (m + p - 1) of a step for p stages and m micro-batches (pipeline.bubble): the MFU
+    is that of the busy time, so the wall time is divided by the busy fraction."""
     from ..metrics import model_flops_per_token, peak_flops_from_table
+    from .pipeline import bubble
 
     flops = model_flops_per_token(model_config, seq_len) * tokens
     peak = peak_flops_from_table(device, dtype)
     if peak is None:
         raise ConfigError(f"no peak FLOP/s known for '{device}' in {dtype}; name one of {', '.join(BOARD_POWER_W)}")
-    seconds = flops / (gpus * peak * mfu)
+    idle = bubble(pipeline_stages, micro_batches)
+    seconds = flops / (gpus * peak * mfu * (1 - idle))
     power = power_w or next((w for k, w in BOARD_POWER_W.items() if k.lower() in device.lower()), None)
     out = {
         "tokens": tokens,
@@ -49,6 +55,8 @@ def training_compute(
         "gpus": gpus,
         "wall_seconds": seconds,
         "gpu_hours": seconds * gpus / 3600,
+        "pipeline_bubble": idle,
+        "effective_mfu": mfu * (1 - idle),
     }
     if power:
         out.update(board_power_w=power, energy_kwh=power * gpus * seconds / 3.6e6)

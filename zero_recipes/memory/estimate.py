@@ -1,6 +1,8 @@
 """The whole estimate for one launch: model states and buffers (states.py), activations (activations.py),
 the phase that sets the peak, host memory per node, and whether it fits. The table of what fits across GPU
-counts and configs is table.py; the compute/time/energy of a token budget, compute.py.
+counts and configs is table.py; the compute/time/energy of a token budget, compute.py. Under pipeline
+parallelism each stage is one of these (its layers, states and in-flight activations: pipeline.py) and the
+estimate is the worst stage's.
 
 The peak is the maximum over phases, never a sum of everything: activations live only in
 forward/backward, the optimizer's transients only in its step, and init (where ZeRO-1/2 build the whole
@@ -107,11 +109,16 @@ class Estimate:
     """LoRA: the parameters trained (adapters, modules_to_save); None for full fine-tuning."""
     tensor_parallel: int = 1
     data_parallel: int = 1
-    """The ranks ZeRO partitions over: the world divided by tensor_parallel."""
+    """The ranks ZeRO partitions over: the world divided by tensor_parallel (by the stages under a pipeline)."""
     params_per_rank: int | None = None
-    """Parameters one rank holds before ZeRO partitions them (the AutoTP shard; num_params without TP)."""
+    """Parameters one rank holds before ZeRO partitions them (the AutoTP shard, the worst pipeline stage's layers;
+    num_params without either)."""
     sequence_parallel: int = 1
     """Ulysses ranks per group (sequence_parallel_size): each holds seq_len / this many tokens of every row."""
+    pipeline_parallel: int = 1
+    """Pipeline stages; the figures above are then the worst stage's (`pipeline` says which, and every stage's)."""
+    pipeline: dict | None = None
+    """Under pipeline parallelism: micro_batches, bubble, worst_stage and the stages (pipeline.stage_row)."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -126,42 +133,55 @@ def estimate(
     gpu_memory: int | None = None,
     lora=None,
     load_in_4bit: bool = False,
+    stage_traces: list | None = None,
 ) -> Estimate:
     """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it; `lora` a peft
-    LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None.
-    Over 60 lines: the phases' device/host split is assembled term by term in one place, so each term's
-    source reads next to the others (issue 15 re-derives the GPU split here); only the plumbing (the Setup, the
-    traced activations) and the host memory per node, which reads the split's result, are functions apart."""
+    LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None. Under pipeline parallelism every stage
+    is estimated and the worst one reported (`_pipelined`); `stage_traces`, its stages' activations
+    (pipeline.stage_activations) when already traced, as `activations` is without it."""
     mesh = Mesh.of(launch.world, ds)
     mesh.check()  # what train.py refuses of the mesh, and of its axes with the ZeRO stage, refused the same way
     combinations.refuse(combinations.modes(mesh.sizes, zero_stage(ds), "full"))
     tp, sp = mesh.tp, mesh.sp
     if sp > 1:
         check_split(sp, model_config, launch.seq_len, "the sequence length", "--seq_len")
-    dp = mesh.zero_shards  # ZeRO's N
+    if mesh.pp > 1:
+        from ..pipeline_model import refusal
+
+        if problem := refusal(model_config, mesh.pp):  # a family or stage count train.py cannot split
+            raise ConfigError(problem)
     shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
     if shape.tp != tp:
         raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {tp}")
     precision = ds_precision(ds)
     p = 4 if precision == "fp32" else 2
-    stage = zero_stage(ds)
     off_opt, off_par = offloads(ds)
     zero = ds.get("zero_optimization", {})
-    setup = _setup(shape, dp, stage, p, precision, off_opt, off_par, zero, launch)
+    setup = _setup(shape, mesh.zero_shards, zero_stage(ds), p, precision, off_opt, off_par, zero, launch)
+    if mesh.pp > 1:
+        return _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memory, stage_traces)
     by_phase = phases(setup)
     if activations is None:
         activations = _traced(model_config, launch, p, lora, tp, shape, sp)
-    in_loss = tiled_head_gradient(model_config, launch, sp, p, dp, shape)
+    in_loss = tiled_head_gradient(model_config, launch, sp, p, mesh.zero_shards, shape)
+    table = phase_table(
+        {
+            "init": [(by_phase["init"], 0)],
+            # or the forward's peak: activations on the steady states (with a tiled loss, the head's gradient in
+            # flight inside the loss's backward too)
+            "forward_backward": [(by_phase["forward_backward"], 0), (by_phase["forward"], activations.bytes + in_loss)],
+            "optimizer_step": [(by_phase["optimizer_step"], 0)],
+        }
+    )
+    return _result(table, shape, setup, precision, launch, mesh, gpu_memory, activations.method)
+
+
+def phase_table(candidates: dict) -> dict:
+    """Each phase's row: the largest on the device of its candidates, (states and buffers as states.py gives
+    them for some moment, activations on top of them)."""
     table = {}
     for name in PHASES:
-        b = by_phase[name]
-        act = 0
-        if name == "forward_backward":
-            fwd = by_phase["forward"]
-            # the forward's peak: activations on the steady states (with a tiled loss, the head's gradient in
-            # flight inside the loss's backward too)
-            if fwd.device + activations.bytes + in_loss > b.device:
-                b, act = fwd, activations.bytes + in_loss
+        b, act = max(candidates[name], key=lambda c: c[0].device + c[1])  # the first of equals
         table[name] = {
             "device_bytes": b.device + act,
             "model_states_bytes": b.states,
@@ -169,9 +189,14 @@ def estimate(
             "activations_bytes": act,
             "host_bytes": b.host_states + b.host_buffers,
         }
+    return table
+
+
+def _result(table: dict, shape, setup: Setup, precision: str, launch, mesh, gpu_memory, method: str) -> Estimate:
+    """The Estimate of one rank's phase table: its peak phase, the host memory per node and the verdict."""
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
-    per_node = _per_node(table, shape, setup, by_phase["init"].host_buffers, launch.num_gpus)
+    per_node = _per_node(table, shape, setup, phases(setup)["init"].host_buffers, launch.num_gpus)
     per_gpu = {
         "peak_bytes": top["device_bytes"],
         "peak_phase": peak_phase,
@@ -183,20 +208,48 @@ def estimate(
     return Estimate(
         shape.model_params,
         precision,
-        stage,
-        {"optimizer": off_opt, "param": off_par},
+        setup.stage,
+        {"optimizer": setup.offload_optimizer, "param": setup.offload_param},
         per_gpu,
         per_node,
         table,
-        activations.method,
+        method,
         None if fit is None else fit == "yes",
         fit,
         trainable_params=shape.trainable,
-        tensor_parallel=tp,
-        data_parallel=dp,
+        tensor_parallel=mesh.tp,
+        data_parallel=mesh.zero_shards,
         params_per_rank=shape.num_params,
-        sequence_parallel=sp,
+        sequence_parallel=mesh.sp,
     )
+
+
+def _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memory, traced) -> Estimate:
+    """Every stage's phases (pipeline.py: its parameters as DeepSpeed splits them, its activations under the 1F1B
+    schedule); the Estimate is the worst stage's, with each stage's peak in `pipeline`."""
+    import dataclasses
+
+    from . import bf16_optimizer, pipeline
+    from .pipeline_trace import all_stages
+
+    m = pipeline.micro_batches(ds)
+    split = pipeline.split(model_config, mesh.pp, pipeline.pipeline_block(ds, launch.world)["partition"], m)
+    traced = traced or all_stages(model_config, split, m, launch, setup.bytes_per_param)
+    bf16 = bf16_optimizer.applies(setup.stage, precision, pipeline=True)
+    rows = []
+    for st in split:
+        mine = dataclasses.replace(setup, num_params=st.params, largest_param=max(1, st.largest_param))
+        by_phase = bf16_optimizer.phases(mine) if bf16 else phases(mine)
+        rows.append((st, mine, phase_table(pipeline.candidates(by_phase, traced[st.index], shape.model_params,
+                                                               launch.accelerator))))  # fmt: skip
+    worst, mine, table = max(rows, key=lambda r: max(t["device_bytes"] for t in r[2].values()))
+    held = dataclasses.replace(shape, num_params=worst.params, largest_param=mine.largest_param,
+                               full_params=shape.model_params)  # fmt: skip
+    e = _result(table, held, mine, precision, launch, mesh, gpu_memory, "traced")
+    e.pipeline_parallel = mesh.pp
+    e.pipeline = {"micro_batches": m, "bubble": pipeline.bubble(mesh.pp, m), "worst_stage": worst.index,
+                  "stages": [pipeline.stage_row(st, t) for st, _, t in rows]}  # fmt: skip
+    return e
 
 
 def _setup(shape: ModelShape, dp: int, stage: int, p: int, precision: str, off_opt, off_par, zero: dict, launch):

@@ -73,6 +73,8 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
         argv += ["--block_size", str(args.seq_len)]
     if args.gradient_checkpointing:
         argv += ["--gradient_checkpointing", "true"]
+    if getattr(args, "gradient_accumulation_steps", None):  # a pipeline's micro-batches a step
+        argv += ["--gradient_accumulation_steps", str(args.gradient_accumulation_steps)]
     for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp"):  # train.py's flags, parsed by train.py's parser
         value = getattr(args, name, None)
         if value is not None:
@@ -112,11 +114,13 @@ def model_config(args, cfg):
 
 
 def flag_overrides(args, raw: dict) -> None:
-    """--tensor_parallel and --sequence_parallel over what the merged DeepSpeed fragments set."""
+    """--tensor_parallel, --sequence_parallel and --pipeline_parallel over what the merged DeepSpeed fragments set."""
     if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
         raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
     if args.sequence_parallel and not args.table:
         raw["sequence_parallel_size"] = args.sequence_parallel
+    if getattr(args, "pipeline_parallel", None) and not args.table:
+        raw["pipeline"] = {**(raw.get("pipeline") or {}), "stages": args.pipeline_parallel}
 
 
 def precision_notes(raw: dict, cfg) -> list[str]:
@@ -185,8 +189,29 @@ def one(args, gpu_memory):
             f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
             "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
         )
-    e.notes = notes + loss_notes(cfg, config, e.sequence_parallel)
+    e.notes = notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(cfg, config, e.sequence_parallel))
     return e, cfg, config
+
+
+def pipeline_notes(e, ds: dict) -> list[str]:
+    """What the estimate of a pipeline says beyond its figures: the loss is the last stage's, whole; the bubble
+    when the step has few micro-batches for its stages; DeepSpeed's own activation checkpointing, not modelled."""
+    m, pp = e.pipeline["micro_batches"], e.pipeline_parallel
+    notes = ["loss: the last stage's, over each micro-batch's whole fp32 logits (a pipeline's head is not tiled)"]
+    if m < 4 * pp:
+        notes.append(
+            f"pipeline: {m} micro-batch(es) a step for {pp} stages leave every GPU idle "
+            f"{100 * e.pipeline['bubble']:.0f} % of the step (the bubble, (p-1)/(m+p-1)); more "
+            "--gradient_accumulation_steps shrink it, the first stage then holding up to "
+            f"{pp} micro-batches' activations"
+        )
+    interval = (ds.get("pipeline") or {}).get("activation_checkpoint_interval") or 0
+    if interval:
+        notes.append(
+            f"pipeline.activation_checkpoint_interval = {interval} is not modelled: the activations are those "
+            "without it, an upper bound (--gradient_checkpointing true is)"
+        )
+    return notes
 
 
 def loss_notes(cfg, config, sp: int) -> list[str]:

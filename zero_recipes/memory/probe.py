@@ -152,15 +152,8 @@ def main(argv: list[str]) -> int:
             model = parallelism.split(model, ds, quiet)  # as train.py: a pipeline keeps this rank's stage
             engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
-        if plan.mesh.pp > 1:
-            pipeline_steps(engine, plan, rank, batches, record_function)
-        else:
-            for batch in batches:
-                with record_function("phase:forward_backward"):
-                    loss = engine(**batch, use_cache=False).loss
-                    engine.backward(loss)
-                with record_function("phase:optimizer_step"):
-                    engine.step()
+        steps = pipeline_steps if plan.mesh.pp > 1 else eager_steps
+        steps(engine, plan, rank, batches, record_function)
     mine = timeline(prof)
     mine["num_params"] = modeling.num_params(engine.module)
     mine["trainable_params"] = lora.trainable_count(engine.module)[0]
@@ -174,6 +167,16 @@ def main(argv: list[str]) -> int:
         Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
     distributed.finish(0)
     return 0
+
+
+def eager_steps(engine, plan, rank: int, batches: list, record_function) -> None:
+    """The micro-batches through the engine's forward, backward and step, as runner.EagerRunner runs them."""
+    for batch in batches:
+        with record_function("phase:forward_backward"):
+            loss = engine(**batch, use_cache=False).loss
+            engine.backward(loss)
+        with record_function("phase:optimizer_step"):
+            engine.step()
 
 
 def pipeline_steps(engine, plan, rank: int, batches: list, record_function) -> None:

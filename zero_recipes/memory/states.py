@@ -92,7 +92,8 @@ def phases(s: Setup) -> dict[str, PhaseBytes]:
         # ZeRO-0 puts nothing on the host: in bf16/fp16 engine.py `_do_optimizer_sanity_check` picks the FP16
         # wrapper and `_configure_fp16_optimizer` builds FP16_UnfusedOptimizer around torch AdamW, whose fp32
         # copies and Adam state live beside the module on the device, as on the CPU. (BF16_Optimizer is chosen
-        # only for ZeRO-1 with data_types.grad_accum_dtype fp32, which no shipped config sets: not modelled.)
+        # for ZeRO-1 with data_types.grad_accum_dtype fp32, which no shipped config sets: not modelled; and for
+        # ZeRO-0 in bf16 under a pipeline, whose states are bf16_optimizer.py's.)
         return cpu_phases(s)
     return gpu_phases(s)
 

@@ -13,7 +13,12 @@ belong on NVLink: DeepSpeed's mesh makes a TP group of consecutive ranks (utils/
 `_init_tp_mesh_device`), one node when the size divides the GPUs per node, and the table's GPU counts are
 per node, so it tries only sizes that divide them and never puts a TP group across nodes. It comes after
 checkpointing (simpler, and no all-reduce on the critical path) and before LoRA (it trains every parameter).
-(The longest sequence that fits, which the table ends with, is longest.py's.)
+Pipeline parallelism (DeepSpeed's PipelineModule, `pipeline.stages`) with ZeRO-0 or ZeRO-1 splits the layers into
+stages across GPUs, nodes included (only activations cross between stages), at the price of the 1F1B bubble,
+(N - 1) / (m + N - 1) of every step with m micro-batches (the run's gradient accumulation steps). It is tried at
+sizes that divide a row's GPUs over all nodes and that the model has layers for, after tensor parallelism and
+before LoRA (it trains every parameter). (The longest sequence that fits, which the table ends with, is
+longest.py's.)
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ LORA_CONFIGS = ("zero1", "zero2", "zero3")
 # Tensor-parallel sizes the table tries, each where it divides the GPUs per node (a TP group within a node)
 TP_SIZES = (2, 4, 8)
 TP_CONFIGS = ("zero1", "zero2", "zero3")
+# Pipeline stage counts the table tries, where they divide the GPUs of all nodes, with the ZeRO stages a pipeline
+# takes (combinations.py)
+PP_SIZES = (2, 4)
+PP_CONFIGS = ("zero0", "zero1")
 
 
 def gpu_counts(num_gpus: int | None, table_gpus: tuple | str | None) -> tuple[tuple, tuple]:
@@ -93,7 +102,7 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
         gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, attn, lora, tp, shape.vocab_parallel)
         for gc in (False, True)
     }
-    return {"lora_r": lora_r, "lora": lora, "configs": names, "shape": shape, "acts": acts, "tp": tp}
+    return {"lora_r": lora_r, "lora": lora, "configs": names, "shape": shape, "acts": acts, "tp": tp, "pp": 1}
 
 
 def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tuple, progress) -> list[dict]:
@@ -122,17 +131,58 @@ def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tupl
     return out
 
 
+def pp_variants(cfg, config, ds: dict, precision: str, notes: list, worlds: tuple, progress) -> list[dict]:
+    """Full fine-tuning under each pipeline stage count that divides one of `worlds` (the GPUs of all nodes) and
+    that train.py would split this model into (pipeline_parallel.py's own check: a family it splits, at most one
+    stage per decoder layer; LoRA does not combine with a pipeline); the counts it cannot take are a note. Each
+    stage's activations traced once per checkpointing choice at micro-batch 1 (the cells scale them)."""
+    from ..errors import ConfigError
+    from ..mesh import Mesh
+    from ..pipeline_parallel import PipelineParallel
+    from . import pipeline
+    from .estimate import Launch
+    from .pipeline_trace import all_stages
+    from .shape import ModelShape
+
+    if cfg.lora_r:
+        return []
+    out, refused = [], []
+    m = pipeline.micro_batches(ds)
+    for pp in (pp for pp in PP_SIZES if any(n % pp == 0 for n in worlds)):
+        tried = {**ds, "zero_optimization": {"stage": 1}, "pipeline": {**(ds.get("pipeline") or {}), "stages": pp}}
+        axis = PipelineParallel(Mesh(pp, pp=pp))
+        try:
+            axis.configure(tried)
+            axis.check(config, tried, cfg)
+        except ConfigError as err:
+            refused.append(f"{pp} ({str(err).split(': ', 1)[-1].split(';')[0]})")
+            continue
+        progress(f"tracing the activations of {pp} pipeline stages")
+        stages = pipeline.split(config, pp, tried["pipeline"]["partition"], m)
+        p = 4 if precision == "fp32" else 2
+        launch = {gc: Launch(pp, 1, 1, cfg.block_size, gc, cfg.attn_implementation or "sdpa",
+                             tiled_mlp=cfg.tiled_mlp) for gc in (False, True)}  # fmt: skip
+        acts = {gc: all_stages(config, stages, m, launch[gc], p) for gc in (False, True)}
+        out.append({"lora_r": 0, "lora": None, "configs": PP_CONFIGS, "shape": ModelShape.of(config),
+                    "acts": acts, "tp": 1, "pp": pp})  # fmt: skip
+    if refused:
+        notes.append("pipeline parallelism not tried for stages " + ", ".join(refused))
+    return out
+
+
 def preference(variants: list[dict]) -> list[tuple]:
-    """(config, checkpointing, lora_r, tp) in the order the table recommends: full fine-tuning without offload,
-    then tensor parallelism within a node (smaller groups first), then the LoRA the table tried, then offload;
-    within each, lower stages first, checkpointing second."""
+    """(config, checkpointing, lora_r, tp, pp) in the order the table recommends: full fine-tuning without
+    offload, then tensor parallelism within a node (smaller groups first), then pipeline parallelism (fewer stages
+    first), then the LoRA the table tried, then offload; within each, lower stages first, checkpointing second."""
     given = variants[0]["lora_r"]
-    tried = [v["lora_r"] for v in variants[1:] if v["tp"] == 1]
+    tried = [v["lora_r"] for v in variants[1:] if v["tp"] == 1 and v["pp"] == 1]
     tps = sorted({v["tp"] for v in variants if v["tp"] > 1})
-    order = [(name, gc, given, 1) for name, gc in PREFERENCE if name in LORA_CONFIGS]
-    order += [(name, gc, 0, tp) for tp in tps for gc in (False, True) for name in TP_CONFIGS]
-    order += [(name, gc, r, 1) for r in tried for gc in (False, True) for name in LORA_CONFIGS]
-    return order + [(name, gc, given, 1) for name, gc in PREFERENCE if name not in LORA_CONFIGS]
+    pps = sorted({v["pp"] for v in variants if v["pp"] > 1})
+    order = [(name, gc, given, 1, 1) for name, gc in PREFERENCE if name in LORA_CONFIGS]
+    order += [(name, gc, 0, tp, 1) for tp in tps for gc in (False, True) for name in TP_CONFIGS]
+    order += [(name, gc, 0, 1, pp) for pp in pps for gc in (False, True) for name in PP_CONFIGS]
+    order += [(name, gc, r, 1, 1) for r in tried for gc in (False, True) for name in LORA_CONFIGS]
+    return order + [(name, gc, given, 1, 1) for name, gc in PREFERENCE if name not in LORA_CONFIGS]
 
 
 def first_fitting(order: list, fitting: dict, run, micro0: int) -> dict | None:
@@ -151,6 +201,7 @@ def first_fitting(order: list, fitting: dict, run, micro0: int) -> dict | None:
         "max_micro_batch_size": micro,
         "lora_r": pick[2],
         "tensor_parallel": pick[3],
+        "pipeline_parallel": pick[4],
         "trainable_params": e.trainable_params,
     }
 
@@ -170,9 +221,10 @@ def table(
 
     progress = progress or (lambda text: None)
     with tempfile.TemporaryDirectory(prefix="zr-table-") as tmp:
-        # each cell's TP size as one more fragment, last, so it overrides one the user's files may set
-        fragment = {tp: tp_fragment(Path(tmp), tp) for tp in (1, *TP_SIZES)}
-        cfg, config, ds, notes = load(args, [*(args.deepspeed or TABLE_CONFIGS["zero1"]), fragment[1]], 1)
+        # each cell's TP size and stage count as one more fragment, last, so it overrides what the user's files set
+        sizes = [(1, 1), *((tp, 1) for tp in TP_SIZES), *((1, pp) for pp in PP_SIZES)]
+        fragment = {size: mesh_fragment(Path(tmp), *size) for size in sizes}
+        cfg, config, ds, notes = load(args, [*(args.deepspeed or TABLE_CONFIGS["zero1"]), fragment[1, 1]], 1)
         precision = ds_precision(ds)
         assumed = FP32_ASSUMED in notes  # the table's first line says it, not a note as well
         notes = [n for n in notes if n != FP32_ASSUMED]
@@ -180,7 +232,9 @@ def table(
         progress("tracing the activations (full fine-tuning, LoRA)")
         variants = table_variants(cfg, config, precision)
         variants += tp_variants(cfg, config, ds, precision, notes, counts, progress)
-        rows = {"rows": [], "lora_rows": [], "tp_rows": []}
+        worlds = tuple(n * args.num_nodes for n in counts)
+        variants += pp_variants(cfg, config, ds, precision, notes, worlds, progress)
+        rows = {"rows": [], "lora_rows": [], "tp_rows": [], "pp_rows": []}
         best, best_full = {}, {}
         extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith("zero")]  # e.g. bf16.json
         micro0 = cfg.per_device_train_batch_size
@@ -199,21 +253,24 @@ def table(
             grid_done(out)
         if getattr(args, "longest_sequence", "true") != "false":  # false: the table alone
             out["longest_sequence"] = longest_rows(
-                args, cfg, config, precision, extra, fragment[1], load, gpu_memory, longest_counts, progress
+                args, cfg, config, precision, extra, fragment[1, 1], load, gpu_memory, longest_counts, progress
             )
     return out
 
 
 def cell_estimator(args, cfg, config, gpu_memory: int):
     """run(variant, resolved ds, GPUs per node, checkpointing, micro-batch): one cell's estimate, the variant's
-    activations (traced at micro-batch 1) scaled by the micro-batch."""
+    activations (traced at micro-batch 1; a pipeline's per stage) scaled by the micro-batch."""
     import dataclasses
 
     from .estimate import Launch, estimate
 
     def run(v, ds_n, n, gc, micro):
-        act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
         launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
+        if v["pp"] > 1:
+            stages = [a.scaled(micro) for a in v["acts"][gc]]
+            return estimate(config, ds_n, launch, v["shape"], None, gpu_memory, stage_traces=stages)
+        act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
         return estimate(config, ds_n, launch, v["shape"], act, gpu_memory, lora=v["lora"])
 
     return run
@@ -221,16 +278,18 @@ def cell_estimator(args, cfg, config, gpu_memory: int):
 
 def grid_rows(args, n: int, variants: list, extra: list, fragment: dict, load, run, micro0: int, rows: dict) -> dict:
     """One GPU count's cells, each appended as a row to rows["rows"] (the run as given), rows["lora_rows"] (the
-    LoRA the table tried) or rows["tp_rows"]; returns those that fit, by (config, checkpointing, lora_r, tp), with
-    what first_fitting needs of them: (resolved ds, Estimate, variant)."""
+    LoRA the table tried), rows["tp_rows"] or rows["pp_rows"]; returns those that fit, by (config, checkpointing,
+    lora_r, tp, pp), with what first_fitting needs of them: (resolved ds, Estimate, variant)."""
     fitting = {}
     for v in variants:
-        if n % v["tp"]:  # a TP group stays within a node: its size divides the GPUs per node
+        # a TP group stays within a node: its size divides the GPUs per node; a pipeline's divides all nodes' GPUs
+        if n % v["tp"] or n * args.num_nodes % v["pp"]:
             continue
-        into = rows["tp_rows"] if v["tp"] > 1 else rows["rows"] if v is variants[0] else rows["lora_rows"]
+        into = rows["tp_rows"] if v["tp"] > 1 else rows["pp_rows"] if v["pp"] > 1 else rows["rows"]
+        into = rows["lora_rows"] if v["lora_r"] != variants[0]["lora_r"] else into
         # the resolved config does not depend on checkpointing: one load per config, not one per cell
         resolved = {
-            name: load(args, [*TABLE_CONFIGS[name], *extra, fragment[v["tp"]]], n * args.num_nodes)[2]
+            name: load(args, [*shipped.COMBINATIONS[name], *extra, fragment[v["tp"], v["pp"]]], n * args.num_nodes)[2]
             for name in v["configs"]
         }
         for gc in (False, True):
@@ -239,15 +298,19 @@ def grid_rows(args, n: int, variants: list, extra: list, fragment: dict, load, r
                 e = run(v, ds_n, n, gc, micro0)
                 row = {"num_gpus": n, "config": name, "gradient_checkpointing": gc}
                 row.update(peak_bytes=e.per_gpu["peak_bytes"], fits=e.fits, fit=e.fit, lora_r=v["lora_r"])
-                row["tensor_parallel"] = v["tp"]
+                row.update(tensor_parallel=v["tp"], pipeline_parallel=v["pp"])
+                if v["pp"] > 1:
+                    row["worst_stage"] = e.pipeline["worst_stage"]
                 into.append(row)
                 if e.fits:
-                    fitting[name, gc, v["lora_r"], v["tp"]] = (ds_n, e, v)
+                    fitting[name, gc, v["lora_r"], v["tp"], v["pp"]] = (ds_n, e, v)
     return fitting
 
 
 def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, best_full, notes) -> dict:
-    """The table as tools/estimate_memory.py prints it (--json: as it is)."""
+    """The table as tools/estimate_memory.py prints it (--json: as it is). `micro_batches`: a pipeline's per
+    step, the run's gradient accumulation steps."""
+    micro_batches = cfg.gradient_accumulation_steps
     micro0 = cfg.per_device_train_batch_size
     return {
         "num_params": variants[0]["shape"].num_params,
@@ -259,7 +322,10 @@ def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, be
         "rows": rows["rows"],
         "lora_rows": rows["lora_rows"],
         "tp_rows": rows["tp_rows"],
+        "pp_rows": rows["pp_rows"],
         "tensor_parallel_tried": sorted({v["tp"] for v in variants if v["tp"] > 1}),
+        "pipeline_parallel_tried": sorted({v["pp"] for v in variants if v["pp"] > 1}),
+        "micro_batches": micro_batches,
         "lora_tried": {"r": TABLE_LORA_R, "target_modules": "all-linear"} if rows["lora_rows"] else None,
         "recommended": best,
         "recommended_full_fine_tuning": best_full if cfg.lora_r == 0 else None,
@@ -268,12 +334,14 @@ def summary(cfg, variants, precision: str, gpu_memory: int, rows: dict, best, be
     }
 
 
-def tp_fragment(tmp: Path, tp: int) -> str:
-    """A --deepspeed fragment setting AutoTP's size (1: none), and no sequence parallelism: the table's cells
-    are without it (an sp fragment among the user's files would otherwise apply to every GPU count), the longest
-    sequence adds it after this one."""
+def mesh_fragment(tmp: Path, tp: int, pp: int) -> str:
+    """A --deepspeed fragment setting AutoTP's size and the pipeline's stages (1: none), and no sequence
+    parallelism: the table's cells are without it (an sp fragment among the user's files would otherwise apply to
+    every GPU count), the longest sequence adds it after this one. A pipeline block of the user's keeps its other
+    settings (partition)."""
     import json
 
-    out = tmp / f"tensor_parallel_{tp}.json"
-    out.write_text(json.dumps({"tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": 1}) + "\n")
+    out = tmp / f"mesh_tp{tp}_pp{pp}.json"
+    sizes = {"tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": 1, "pipeline": {"stages": pp}}
+    out.write_text(json.dumps(sizes) + "\n")
     return str(out)

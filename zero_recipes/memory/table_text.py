@@ -35,7 +35,7 @@ def render(t: dict, wide: bool = False) -> list[str]:
     )
     lines += wrap(
         f"* fits in {gb(t['gpu_memory'])}; ~ tight: the allocated peak fits, not with the CUDA context, NCCL and "
-        "fragmentation" + ("; - where the TP size does not divide the GPUs" if t["tensor_parallel_tried"] else "")
+        "fragmentation" + ("; - where the TP size or stage count does not divide the GPUs" if tried_any(t) else "")
     )
     if t["lora_tried"]:
         lines += wrap(
@@ -45,6 +45,15 @@ def render(t: dict, wide: bool = False) -> list[str]:
         lines += wrap(
             "+tpN: AutoTP with N GPUs per group, tried where N divides the GPUs per node (never across nodes); "
             "ZeRO partitions over the GPUs / N data-parallel ranks"
+        )
+    if t.get("pipeline_parallel_tried"):
+        m = t["micro_batches"]
+        bubbles = ", ".join(f"{100 * (n - 1) / (m + n - 1):.0f} % at {n}" for n in t["pipeline_parallel_tried"])
+        lines += wrap(
+            "+ppN: N pipeline stages (ZeRO-0/1 only), tried where N divides the GPUs of all nodes; each GPU holds "
+            f"its stage's layers, the peak is the worst stage's (the first holds the most micro-batches in flight, the "
+            "last the whole logits); "
+            f"{m} micro-batch(es) a step (--gradient_accumulation_steps) leave the GPUs idle {bubbles} stages"
         )
     for note in t["notes"]:
         lines += wrap(f"note: {note}")
@@ -60,15 +69,16 @@ def render(t: dict, wide: bool = False) -> list[str]:
 
 def grid(t: dict, wide: bool) -> list[str]:
     """The configs' rows in blocks of as many GPU counts as fit WIDTH (all of them when `wide`)."""
-    rows = t["rows"] + t["lora_rows"] + t["tp_rows"]
-    keys = list(dict.fromkeys((r["config"], r["lora_r"], r["tensor_parallel"]) for r in rows))
+    rows = t["rows"] + t["lora_rows"] + t["tp_rows"] + t.get("pp_rows", [])
+    keys = list(dict.fromkeys(_key(r) for r in rows))
     label = {
-        k: k[0] + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "") + (f"+tp{k[2]}" if k[2] > 1 else "")
+        k: k[0]
+        + (f"+lora{k[1]}" if t["lora_tried"] and k[1] else "")
+        + (f"+tp{k[2]}" if k[2] > 1 else "")
+        + (f"+pp{k[3]}" if k[3] > 1 else "")
         for k in keys
     }
-    cells = {
-        (r["config"], r["lora_r"], r["tensor_parallel"], r["num_gpus"], r["gradient_checkpointing"]): r for r in rows
-    }
+    cells = {(*_key(r), r["num_gpus"], r["gradient_checkpointing"]): r for r in rows}
     counts = t["gpu_counts"]
     per_block = len(counts) if wide else max(1, (WIDTH - LABEL) // (2 * CELL))
     out = []
@@ -81,18 +91,28 @@ def grid(t: dict, wide: bool) -> list[str]:
             line = f"{label[k]:<{LABEL}}"
             for n in block:
                 for gc in (False, True):
-                    c = cells.get((*k, n, gc))  # none where a TP size does not divide the count
+                    c = cells.get((*k, n, gc))  # none where a TP size or stage count does not divide the count
                     text = f"{c['peak_bytes'] / 2**30:,.2f}{MARK[c['fit']]}" if c else "- "
                     line += f"{text:>{CELL}}"
             out.append(line.rstrip())
     return out
 
 
+def _key(row: dict) -> tuple:
+    """A grid row's identity: (config, lora_r, tensor-parallel size, pipeline stages)."""
+    return row["config"], row["lora_r"], row["tensor_parallel"], row.get("pipeline_parallel", 1)
+
+
+def tried_any(t: dict) -> bool:
+    return bool(t["tensor_parallel_tried"] or t.get("pipeline_parallel_tried"))
+
+
 def recommendation(b: dict, lora_given: int) -> str:
     lora = f" + LoRA r{b['lora_r']}" if b["lora_r"] and not lora_given else ""
-    tp = b.get("tensor_parallel", 1)
+    tp, pp = b.get("tensor_parallel", 1), b.get("pipeline_parallel", 1)
     return (
         f"{b['config']}{lora}{f' + tensor parallel {tp} (within a node)' if tp > 1 else ''}"
+        f"{f' + pipeline parallel {pp} stages' if pp > 1 else ''}"
         f"{' + gradient checkpointing' if b['gradient_checkpointing'] else ''}"
         f" ({gb(b['peak_bytes'])}; micro-batch up to {b['max_micro_batch_size']})"
         + (" (LoRA: full fine-tuning fits only with offload or not at all)" if lora else "")
