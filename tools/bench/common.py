@@ -26,14 +26,12 @@ def environment() -> dict:
     import torch
     import transformers
 
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ]
+    cpu = names[0] if names else platform.processor()  # only then: platform.processor() runs `uname -p` on Linux
     mem = next(
         int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
     )
