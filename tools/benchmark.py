@@ -22,6 +22,9 @@
     # TP2 x ZeRO-1 (2 ranks) and TP2 x DP2 (4 ranks) against ZeRO-2/3: tokens/s, per-rank peak, loss parity
     python tools/benchmark.py parallel                  # --quick: tiny model, 3 steps; --gpu: bf16 on 4 GPUs
 
+    # PP2 x ZeRO-1 against ZeRO-1/2 on 2 ranks (tokens/s, per-rank peak, loss parity); the bubble against m
+    python tools/benchmark.py pipeline                  # --quick: tiny model, ZeRO-1 and PP2 once; --gpu: bf16, 2 GPUs
+
     # long context on 2 ranks: per-rank peak vs length for ZeRO-3, tiled loss, SP=2 and both; longest in a budget
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
@@ -44,6 +47,7 @@ from bench import (
     longctx,
     lora,
     parallel,
+    pipeline,
     settings,
     sft,
     speed,
@@ -53,7 +57,8 @@ from bench import (
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data, export, estimator, estimator_public, speed, sft, settings, gpu, lora, parallel, longctx):
+    order = (data, export, estimator, estimator_public, speed, sft, settings, gpu, lora, parallel, pipeline, longctx)
+    for module in order:
         module.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)

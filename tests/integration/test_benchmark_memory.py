@@ -1,4 +1,4 @@
-"""The memory and parallelism benchmarks: tools/benchmark.py lora, parallel and longctx --quick under the
+"""The memory and parallelism benchmarks: tools/benchmark.py lora, parallel, pipeline and longctx --quick under the
 allocator profiler, the GPU script's refusal on a CPU, and the export benchmark's memory sampler. The figures
 themselves are machine-dependent; only their signs, orderings and parities are checked."""
 
@@ -55,6 +55,33 @@ def test_parallel_benchmark_quick(tmp_path):
         assert len(c[name]["losses"]) == len(zero2)
         assert all(abs(a - b) <= 1e-5 for a, b in zip(c[name]["losses"], zero2)), (name, c[name]["losses"], zero2)
         assert c[name]["loss_parity"]
+
+
+def test_pipeline_benchmark_quick(tmp_path):
+    """ZeRO-1 and PP2 x ZeRO-1 train the same global batch under the allocator profiler (PP2's schedule timed
+    on every rank): both report tokens/s and a peak per rank, PP2 loses exactly what ZeRO-1 loses at every
+    step, and the bubble row carries the formula (p - 1) / (m + p - 1) beside a measured share of idle
+    stage-time, with each stage computing its m micro-batches inside the step's span."""
+    report = run_quick("pipeline", tmp_path, timeout=300)
+    md = report.with_suffix(".md").read_text()
+    assert "## The bubble against (p − 1) / (m + p − 1)" in md and "--module bench.pipeline_probe" in md
+    r = json.loads(report.read_text())
+    c = r["configs"]
+    assert list(c) == ["ZeRO-1", "PP2 (ZeRO-1)"]
+    assert "1 data-parallel x 2 pipeline-parallel" in c["PP2 (ZeRO-1)"]["distributed_line"]
+    for name, x in c.items():
+        assert x["tokens_per_sec"]["min"] > 0, name
+        assert len(x["peak_bytes_by_rank"]) == 2 and min(x["peak_bytes_by_rank"]) > 0, name
+    pp = c["PP2 (ZeRO-1)"]
+    assert pp["loss_parity"] and len(pp["losses"]) == len(c["ZeRO-1"]["losses"]) == 3
+    assert 0 < pp["vs"]["ZeRO-1"]["low"] <= pp["vs"]["ZeRO-1"]["median"] <= pp["vs"]["ZeRO-1"]["high"]
+    [row] = r["bubble"]["rows"]
+    m, p = row["m"], row["stages"]
+    assert (m, p) == (pp["accumulation"], 2) and row["formula"] == (p - 1) / (m + p - 1)
+    for value in (row["measured"]["median"], *row["by_stage"], row["expected_from_stage_times"]):
+        assert 0 < value < 1, row
+    assert all(t > 0 for t in row["busy_per_micro_seconds"]) and row["span_seconds"]["min"] > 0
+    assert row["expected_from_stage_times"] >= row["formula"] - 1e-12  # unequal stages only add to it
 
 
 def test_longctx_benchmark_quick(tmp_path):
