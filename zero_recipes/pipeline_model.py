@@ -248,10 +248,11 @@ class PipelinedCausalLM(PipelineModule):
 
     def full_state_dict(self, rank: int) -> Optional[dict]:
         """Collective: every stage's weights, whole, on rank 0 (None elsewhere). Each pipeline holds all of
-        them; the first pipeline's stages send theirs."""
+        them; the first pipeline's stages send theirs, to rank 0 alone (an all-gather would leave a copy of the
+        whole model on every rank)."""
         first_pipeline = self._grid.get_data_parallel_rank() == 0
-        parts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, self.stage_state_dict() if first_pipeline else None)
+        parts = [None] * torch.distributed.get_world_size() if rank == 0 else None
+        torch.distributed.gather_object(self.stage_state_dict() if first_pipeline else None, parts, dst=0)
         if rank != 0:
             return None
         return {k: v for part in parts if part for k, v in part.items()}

@@ -67,6 +67,12 @@ class PipelineParallel(ParallelAxis):
                 f"pipeline.activation_checkpoint_interval = {interval!r}: give a number of layers (0: off), or use "
                 "--gradient_checkpointing true"
             )
+        if ds.get("wall_clock_breakdown"):
+            raise ConfigError(
+                "wall_clock_breakdown = true with pipeline.stages: DeepSpeed 0.19.8 starts its bwd_microstep timer "
+                "twice under a pipeline and every stage but the last dies at its first backward; set it false "
+                "(tools/benchmark.py pipeline times the schedule's instructions instead)"
+            )
         if cfg.torch_compile:
             raise ConfigError(
                 "--torch_compile with pipeline.stages: DeepSpeed's engine.compile() does not cover the pipeline "
