@@ -45,8 +45,8 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
     saved_sp = saved.get("sequence_parallel", 1)
     if saved["world"] == mesh.dp and saved_sp == mesh.sp and saved["zero_stage"] == stage:
         return None
-    if saved_pp > 1 and saved["zero_stage"] == stage == 0:
-        return saved  # a stage's ZeRO-0 files hold its whole states, the same for every replica: loaded as saved
+    if loads_as_saved(saved, stage):
+        return saved
     if saved_tp > 1 and 3 in (saved["zero_stage"], stage):
         raise ConfigError(
             f"cannot resume this ZeRO-{saved['zero_stage']} checkpoint of {ranks_in_words(saved)} as ZeRO-{stage} with "
@@ -63,6 +63,12 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
             "--model_name_or_path"
         )
     return saved
+
+
+def loads_as_saved(saved: dict, stage: int) -> bool:
+    """A layout change the engine loads without conversion: a pipeline's ZeRO-0 checkpoint onto another
+    number of pipelines (each stage's files hold its whole states, the same for every replica)."""
+    return saved.get("pipeline_parallel", 1) > 1 and saved["zero_stage"] == stage == 0
 
 
 def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
@@ -207,7 +213,7 @@ def plan_resume(request: Optional[str], plan, rank: int, log) -> Optional[Resume
     if saved is None:
         return ResumePlan(where, where)
     now = plan.mesh.layout()
-    if saved.get("pipeline_parallel", 1) > 1 and saved["zero_stage"] == plan.zero_stage == 0:
+    if loads_as_saved(saved, plan.zero_stage):
         log(
             f"resume: {where[1]} was saved by {ranks_in_words(saved)}, this run has "
             f"{ranks_in_words(now).removesuffix(' rank(s)')}; every replica loads its stage's files as saved"
