@@ -41,6 +41,7 @@ from zero_recipes import (
     memory,
     metrics,
     model as modeling,
+    moe,
     packed_attention,
     resume as resuming,
     run_dir,
@@ -186,7 +187,7 @@ def build_model(plan: RunPlan, rank: int, log):
             "parameters"
         )
     log(
-        f"model: {model_config.model_type}, {n_params / 1e6:.2f}M parameters, ZeRO stage "
+        f"model: {model_config.model_type}, {moe.parameters_in_words(model_config, n_params)}, ZeRO stage "
         f"{plan.zero_stage}, {plan.precision}, attention {cfg.attn_implementation}"
     )
     return model
@@ -255,7 +256,7 @@ def dry_run(plan: RunPlan, log) -> int:
         else f"{cfg.num_train_epochs} epoch(s); count known once the data is prepared"
     )
     log(
-        f"plan: model {model_config.model_type} {n / 1e6:.2f}M parameters; {plan.mesh.describe()}; ZeRO stage "
+        f"plan: model {model_config.model_type} {moe.parameters_in_words(model_config, n)}; {plan.mesh.describe()}; ZeRO stage "
         f"{plan.zero_stage}; {plan.precision}; "
         f"{plan.global_batch} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"

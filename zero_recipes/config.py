@@ -58,6 +58,10 @@ class TrainConfig:
     tiled_mlp: bool = False
     """Run each decoder layer's MLP in tiles of hidden_size tokens (DeepSpeed's TiledMLP), recomputed in
     backward: for long sequences, where the MLP's intermediate activations dominate; costs one more MLP forward."""
+    router_aux_loss_coef: Optional[float] = None
+    """A mixture of experts' balancing-loss coefficient. Unset: the model config's own (Mixtral 0.001, OLMoE
+    0.01); 0: no balancing loss. train.py turns the loss on for training (transformers adds it only with
+    `output_router_logits`, which every MoE config leaves off) and logs it as `aux_loss`."""
     torch_compile: bool = False
     """Compile the model with torch.compile through DeepSpeed's `engine.compile()` (inductor). The first step
     pays the compile (~30 s for the tiny model on 2 CPU cores, cached afterwards); losses match eager."""

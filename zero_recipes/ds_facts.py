@@ -46,3 +46,13 @@ def pipeline_parallel_size(ds: dict) -> int:
     block = ds.get("pipeline") or {}
     stages = block.get("stages", 1) if isinstance(block, dict) else 1
     return stages if isinstance(stages, int) and stages > 1 else 1
+
+
+def expert_parallel_size(ds: dict) -> int:
+    """The AutoEP degree a DeepSpeed dict asks for (`"expert_parallel": {"enabled": true, "autoep_size": N}`;
+    1: none). DeepSpeed reads autoep_size only when enabled is true."""
+    block = ds.get("expert_parallel") or {}
+    if not isinstance(block, dict) or not block.get("enabled"):
+        return 1
+    size = block.get("autoep_size", 1)
+    return size if isinstance(size, int) and size > 1 else 1

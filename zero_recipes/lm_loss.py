@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import math
 
+from . import moe
+
 KNOWN_HEADS = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "starcoder2", "gpt2", "smollm3", "gemma"}
+    | set(moe.FAMILIES)
 )
-"""Families whose logits are `lm_head(last_hidden_state)`: no soft-capping, scaling or extra terms."""
+"""Families whose logits are `lm_head(last_hidden_state)`: no soft-capping, scaling or extra terms. The
+mixtures of experts (moe.FAMILIES) add their balancing loss, which `install` adds back (moe.BalancingLoss)."""
 
 TILE_BYTES = 2**28
 """Auto tile: the fp32 logits of one tile stay under 256 MiB (512 tokens at a 128k vocabulary)."""
@@ -54,10 +58,11 @@ def applies(cfg, model_config, sp: int) -> bool:
     return sp > 1 or (cfg.tiled_loss and local_tokens > tile_tokens(cfg, model_config))
 
 
-def install(model, tokens_per_tile: int, tiled: bool, zero3: bool) -> None:
-    """Replace `model.forward` (on this instance) by one that computes the loss with `summed_loss`."""
+def install(model, tokens_per_tile: int, tiled: bool, zero3: bool, balance: moe.BalancingLoss | None = None) -> None:
+    """Replace `model.forward` (on this instance) by one that computes the loss with `summed_loss`, plus a
+    mixture of experts' balancing loss (`balance`), which a loss from the logits alone would drop."""
     import torch.nn.functional as F
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     decoder = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
@@ -72,11 +77,18 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool) -> None:
         if shift_labels is None:  # as transformers shifts: the target of token t is token t+1
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
         kwargs.pop("logits_to_keep", None)
-        hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+        kwargs.pop("output_router_logits", None)
+        routed = {"output_router_logits": True} if balance is not None else {}
+        out = decoder(input_ids=input_ids, **kwargs, **routed)
+        hidden = out.last_hidden_state
         tiles = agreed_tiles(shift_labels.numel(), tokens_per_tile, zero3, hidden.device) if tiled else 1
         loss = summed_loss(head, hidden, shift_labels, tiles)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum()
-        return CausalLMOutputWithPast(loss=loss / count)
+        if balance is None:
+            return CausalLMOutputWithPast(loss=loss / count)
+        mask = kwargs.get("attention_mask")
+        aux = balance.aux(out.router_logits, mask if mask is not None and mask.dim() == 2 else None)
+        return MoeCausalLMOutputWithPast(loss=loss / count + balance.term(aux), aux_loss=aux)
 
     model.forward = forward
     model.computes_own_loss = True  # eval_row_stats asks for row sums instead of logits
@@ -200,7 +212,7 @@ def install_for_run(model, plan, log) -> None:
         log("loss: train.py's, on the pipeline's last stage (the head is a stage's layer: not tiled)")
     elif applies(cfg, model_config, sp):
         tokens = tile_tokens(cfg, model_config)
-        install(model, tokens, cfg.tiled_loss, zero3)
+        install(model, tokens, cfg.tiled_loss, zero3, balancing_loss(plan))
         local = cfg.per_device_train_batch_size * cfg.block_size // sp
         if cfg.tiled_loss and local > tokens:
             log(f"loss: head and cross-entropy in tiles of {tokens} tokens; the whole logits are never held")
@@ -211,3 +223,18 @@ def install_for_run(model, plan, log) -> None:
     if cfg.tiled_mlp:
         n = install_tiled_mlp(model, zero3)
         log(f"mlp: {n} decoder MLPs run in tiles of {model_config.get_text_config().hidden_size} tokens (TiledMLP)")
+
+
+def balancing_loss(plan) -> moe.BalancingLoss | None:
+    """The balancing loss train.py's loss adds for this run, when its model has one turned on."""
+    text = plan.model_config.get_text_config()
+    if not getattr(text, "output_router_logits", False):
+        return None
+    group, scale, mesh = None, 1.0, plan.mesh
+    if mesh.sp > 1:  # one sequence's routing adds up over its SP group (moe.BalancingLoss)
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        group = parallel_state_sp.get_sequence_parallel_group()
+        scale = mesh.gradient_divisor(plan.zero_stage) / mesh.world
+    experts, k = moe.num_experts(plan.model_config), moe.top_k(plan.model_config)
+    return moe.BalancingLoss(text.router_aux_loss_coef, experts, k, scale, group)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from . import moe
+
 # Dense (not 2:4 sparse) peak, FLOP/s per device. NVIDIA's headline H100 figure of 1979 is sparse; using
 # it halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
 PEAK_FLOPS = {
@@ -39,7 +41,9 @@ def peak_flops_from_table(device_name: str, dtype: str) -> Optional[float]:
 
 
 def model_flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token for an HF decoder config, without recomputation."""
+    """Training FLOPs (forward + backward) per token for an HF decoder config, without recomputation. A
+    mixture of experts counts what a token multiplies by (moe.mlp_params: its k experts, the router and the
+    shared experts), not every expert's weights."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = text.hidden_size
     layers = text.num_hidden_layers
@@ -61,7 +65,8 @@ def model_flops_per_token(config, seq_len: int) -> float:
         "mixtral",
     )
     mlp = (3 if gated else 2) * h * inter
-    matmul_params = layers * (attn + mlp) + h * vocab  # + lm_head
+    mlp_total = moe.mlp_params(config).active if moe.is_moe(config) else layers * mlp
+    matmul_params = layers * attn + mlp_total + h * vocab  # + lm_head
     return 6 * matmul_params + 12 * layers * q_out * seq_len
 
 

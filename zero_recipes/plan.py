@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import combinations, distributed, ds_config, hub, lora_options, model as modeling, modes
+from . import combinations, distributed, ds_config, hub, lora_options, model as modeling, modes, moe
 from .axis import Parallelism
 from .cli import parse_args
 from .config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
@@ -67,6 +67,12 @@ class RunPlan:
         combinations.refuse(combinations.modes(mesh.sizes, zero_stage(resolved.ds), adapter))
         notes += resolved.notes + modes.parallelism_for(mesh).check(model_config, resolved.ds, cfg)
         modeling.check_attention(model_config)  # after the axes' checks: they name the attention SP needs
+        moe.check(model_config, zero_stage(resolved.ds), resolved.ds)
+        coef = moe.enable_balancing_loss(model_config, cfg.router_aux_loss_coef)
+        if coef is not None:
+            notes += (
+                f"balancing loss: router_aux_loss_coef {coef:g} x aux_loss added to the loss, logged as aux_loss",
+            )
         modes.adapter_for(cfg).check(model_config)  # a LoRA target the model lacks fails here, on the meta model
         return cls(cfg, raw, resolved.ds, notes, model_config, mesh, run_signature(cfg, raw))
 
