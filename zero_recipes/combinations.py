@@ -1,9 +1,9 @@
 """Which modes combine: one table, with the refusal beside each forbidden pair. A leaf (pure data).
 
-A run's modes are its parallel axes of size > 1 (tensor, sequence, pipeline; expert next), its ZeRO stage
+A run's modes are its parallel axes of size > 1 (tensor, sequence, pipeline, expert), its ZeRO stage
 where a stage matters (zero0, zero2, zero3) and its adapter (lora; a QLoRA run is lora and qlora). train.py refuses a
 forbidden pair before any process group starts, and the memory estimate refuses it the same way. A pair absent
-from the table combines. Sizes in a refusal come from the run: {tp}, {sp}, {pp}.
+from the table combines. Sizes in a refusal come from the run: {tp}, {sp}, {pp}, {ep}.
 """
 
 from __future__ import annotations
@@ -57,6 +57,25 @@ FORBIDDEN: dict[tuple[str, str], str] = {
         "model, which no rank holds when the layers are split into stages; train LoRA with ZeRO "
         "(ds_configs/zero3.json) and no pipeline fragment"
     ),
+    ("expert", "tensor"): (
+        "expert_parallel.autoep_size = {ep} with tensor_parallel.autotp_size = {tp}: train.py does not combine "
+        "AutoEP with AutoTP (DeepSpeed folds them, untested here); use one of them (expert parallelism for a "
+        "mixture of experts)"
+    ),
+    ("expert", "sequence"): (
+        "expert_parallel.autoep_size = {ep} with sequence_parallel_size = {sp}: train.py does not combine AutoEP "
+        "with Ulysses; use one of them (sequence parallelism with ZeRO-3 trains a mixture of experts at long "
+        "context)"
+    ),
+    ("expert", "pipeline"): (
+        "expert_parallel.autoep_size = {ep} with pipeline.stages = {pp}: train.py's pipeline splits dense "
+        "families only; use one of them"
+    ),
+    ("expert", "lora"): (
+        "expert_parallel.autoep_size = {ep} with LoRA: AutoEP replaces the sparse blocks PEFT would wrap, and "
+        "the adapter could not be saved under the model's names; train LoRA with ZeRO (ds_configs/zero3.json) "
+        "and no ep fragment"
+    ),
     ("qlora", "zero3"): (
         "--load_in_4bit with ZeRO-3 is not supported here: ZeRO-3 would partition bitsandbytes' packed 4-bit "
         "weights and lose their quantisation state. Use ZeRO-2 (ds_configs/zero2.json): the 4-bit base is a "
@@ -82,5 +101,5 @@ def refuse(active: dict[str, int]) -> None:
     """Raise the first forbidden pair among `active` (modes by name, with their sizes)."""
     for (a, b), text in FORBIDDEN.items():
         if a in active and b in active:
-            sizes = {"tp": active.get("tensor", 1), "sp": active.get("sequence", 1), "pp": active.get("pipeline", 1)}
+            sizes = {axis[0] + "p": active.get(axis, 1) for axis in ("tensor", "sequence", "pipeline", "expert")}
             raise ConfigError(text.format(**sizes))

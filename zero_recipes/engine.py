@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import lr_schedule
 from .config import TrainConfig
 from .ds_config import warmup_steps
-from .ds_facts import offloads
+from .ds_facts import expert_parallel_size, offloads
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -20,15 +20,29 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if p.requires_grad:
             (decay if getattr(p, "ds_shape", p.shape).__len__() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [  # named: DeepSpeed's MoE split keys its groups by name (expert parallelism)
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 def make_optimizer(cfg: TrainConfig, model, ds: dict):
-    import torch
-
     if "optimizer" in ds:
         return None
-    groups = param_groups(model, cfg.weight_decay)
+    if expert_parallel_size(ds) > 1:
+        # AutoEP replaces the sparse blocks inside deepspeed.initialize, and ZeRO-1/2 then want the experts'
+        # parameters in groups of their own ("None of the param groups are marked as MoE", measured); DeepSpeed
+        # makes them only for an optimizer it builds itself, or one it is handed as a callable of the
+        # replaced parameters: the callable, with DeepSpeed's own split.
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        return lambda groups: adamw(cfg, split_params_into_different_moe_groups_for_optimizer(groups), ds)
+    return adamw(cfg, param_groups(model, cfg.weight_decay), ds)
+
+
+def adamw(cfg: TrainConfig, groups: list[dict], ds: dict):
+    import torch
+
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if offloads(ds)[0] is not None:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -112,7 +126,7 @@ def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        model_parameters=None if optimizer is not None else param_groups(model, cfg.weight_decay),
+        model_parameters=param_groups(model, cfg.weight_decay) if optimizer is None or callable(optimizer) else None,
         lr_scheduler=make_scheduler(cfg, ds, total_steps),
         config=ds,
         mpu=mpu,

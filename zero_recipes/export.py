@@ -14,6 +14,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import expert_parallel, model as modeling
+
 
 def partitioned(module) -> bool:
     """Whether ZeRO-3 has partitioned this module's parameters (each then carries its DeepSpeed id)."""
@@ -68,6 +70,14 @@ def full_state_dict(module, rank: int) -> Optional[dict]:
     stage's layers as if they were the model."""
     if hasattr(module, "full_state_dict"):  # pipeline stages: each rank sends its layers under their HF names
         return module.full_state_dict(rank)
+    sd = _held_state_dict(module, rank)
+    if expert_parallel.expert_layers(module):  # AutoEP's layers: every rank's experts, under the HF names
+        sd = expert_parallel.hf_state_dict(module, sd, rank, hf_shapes(module.config))
+    return sd
+
+
+def _held_state_dict(module, rank: int) -> Optional[dict]:
+    """The module's own state dict (its names), full-size, on rank 0."""
     if not partitioned(module) and not tensor_parallel(module):
         if rank != 0:
             return None
@@ -81,6 +91,11 @@ def full_state_dict(module, rank: int) -> Optional[dict]:
         persistent = set(module.state_dict().keys())
         sd = {k: v for k, v in sd.items() if k in persistent}
     return sd
+
+
+def hf_shapes(model_config) -> dict:
+    """Every tensor of the HF model of `model_config` by name, with its shape (the meta model: no memory)."""
+    return {name: tuple(t.shape) for name, t in modeling.meta_model(model_config).state_dict().items()}
 
 
 def hf_files_writer(model_config, tokenizer):
@@ -109,6 +124,8 @@ def export_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
     if rank == 0:
         model = engine.module
         model.config.use_cache = True
+        if expert_parallel.expert_layers(model):  # saved through the HF class, whose names `sd` now has
+            model = modeling.meta_model(model.config)
         model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     torch.distributed.barrier()

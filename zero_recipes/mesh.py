@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import combinations
-from .ds_facts import pipeline_parallel_size, sequence_parallel_size, tensor_parallel_size
+from .ds_facts import expert_parallel_size, pipeline_parallel_size, sequence_parallel_size, tensor_parallel_size
 from .errors import ConfigError
 
 
@@ -36,12 +36,19 @@ class Mesh:
     pp: int = 1
     """Pipeline stages (DeepSpeed's PipelineModule: pipeline_parallel.py)."""
     ep: int = 1
-    """Expert-parallel ranks: the next axis after it."""
+    """Expert-parallel ranks (DeepSpeed AutoEP: expert_parallel.py). Not a group that shares rows: every rank
+    trains its own, and only the experts are split, so it leaves `group` and `dp` alone."""
 
     @classmethod
     def of(cls, world: int, ds: dict) -> "Mesh":
         """The mesh a DeepSpeed dict asks for on `world` ranks."""
-        return cls(world, tensor_parallel_size(ds), sequence_parallel_size(ds), pipeline_parallel_size(ds))
+        return cls(
+            world,
+            tensor_parallel_size(ds),
+            sequence_parallel_size(ds),
+            pipeline_parallel_size(ds),
+            expert_parallel_size(ds),
+        )
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -65,6 +72,12 @@ class Mesh:
         PP (each stage has its own ZeRO-1 optimizer)."""
         return self.world // (self.tp * self.pp)
 
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO partitions an expert's states over: those holding the same experts (DeepSpeed's expert-data-
+        parallel group, world / ep), where the dense weights' are every rank's."""
+        return self.world // self.ep
+
     def coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, index within the TP or SP group, or pipeline stage) of a global rank."""
         if self.pp > 1:
@@ -86,8 +99,9 @@ class Mesh:
     def describe(self) -> str:
         """The launch line: `8 ranks = 4 data-parallel x 2 tensor-parallel`."""
         ranks = f"{self.world} rank{'s' if self.world != 1 else ''}"
-        inner = "".join(f" x {n} {name}-parallel" for name, n in self.sizes.items() if n > 1)
-        return f"{ranks} = {self.dp} data-parallel{inner}"
+        inner = "".join(f" x {n} {name}-parallel" for name, n in self.sizes.items() if n > 1 and name != "expert")
+        experts = f"; experts split {self.ep} ways (expert-parallel groups of {self.ep})" if self.ep > 1 else ""
+        return f"{ranks} = {self.dp} data-parallel{inner}{experts}"
 
     def layout(self) -> dict:
         """What a checkpoint records of the mesh (checkpoint.LAYOUT), and what a resume compares with it."""
@@ -96,6 +110,7 @@ class Mesh:
             "tensor_parallel": self.tp,
             "sequence_parallel": self.sp,
             "pipeline_parallel": self.pp,
+            "expert_parallel": self.ep,
         }
 
     def eval_shard(self, rank: int) -> tuple[int, int]:
@@ -124,6 +139,7 @@ class Mesh:
             ("sequence", self.sp, "sequence_parallel_size", "a sequence_parallel_size"),
             ("tensor", self.tp, "tensor_parallel.autotp_size", "an autotp_size"),
             ("pipeline", self.pp, "pipeline.stages", "a stage count"),
+            ("expert", self.ep, "expert_parallel.autoep_size", "an autoep_size"),
         ):
             if self.world % n:
                 raise ConfigError(
@@ -142,6 +158,7 @@ def ranks_in_words(layout: dict) -> str:
             ("tensor", "tensor_parallel"),
             ("sequence", "sequence_parallel"),
             ("pipeline", "pipeline_parallel"),
+            ("expert", "expert_parallel"),
         )
         if layout.get(key, 1) > 1
     )

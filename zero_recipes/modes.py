@@ -9,14 +9,20 @@ from __future__ import annotations
 from . import lora_options
 from .adapter import FullFineTuning
 from .axis import Parallelism
+from .expert_parallel import ExpertParallel
 from .lora import Lora, QLora
 from .mesh import Mesh
 from .pipeline_parallel import PipelineParallel
 from .sequence_parallel import SequenceParallel
 from .tensor_parallel import TensorParallel
 
-AXES = {"tensor": TensorParallel, "sequence": SequenceParallel, "pipeline": PipelineParallel}
-"""By Mesh.sizes' names; the next one is expert."""
+AXES = {
+    "tensor": TensorParallel,
+    "sequence": SequenceParallel,
+    "pipeline": PipelineParallel,
+    "expert": ExpertParallel,
+}
+"""By Mesh.sizes' names."""
 
 ADAPTERS = {"full": FullFineTuning, "lora": Lora, "qlora": QLora}
 """By lora_options.adapter_name."""

@@ -42,6 +42,15 @@ def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:
             f"data-parallel size only. Resume with {saved_pp} stages, or export it (tools/export_hf.py) and start "
             "from the export with --model_name_or_path"
         )
+    saved_ep = saved.get("expert_parallel", 1)
+    if (saved_ep > 1 or mesh.ep > 1) and (saved_ep, saved["world"], saved["zero_stage"]) != (mesh.ep, mesh.dp, stage):
+        # not tested here: DeepSpeed's universal conversion of AutoEP checkpoints (autoep_universal.py) is new
+        raise ConfigError(
+            f"cannot resume a ZeRO-{saved['zero_stage']} checkpoint of {ranks_in_words(saved)} on {mesh.describe()} "
+            f"with ZeRO-{stage}: train.py resumes an expert-parallel run only on the layout it was saved with. "
+            "Resume with that layout, or export it (the run's output directory) and start from the export with "
+            "--model_name_or_path"
+        )
     saved_sp = saved.get("sequence_parallel", 1)
     if saved["world"] == mesh.dp and saved_sp == mesh.sp and saved["zero_stage"] == stage:
         return None
