@@ -177,6 +177,8 @@ def build_model(plan: RunPlan, rank: int, log):
     modeling.causal_lm_class(model_config)
     load_dtype = torch.bfloat16 if (plan.precision == "bf16" and cfg.model_name_or_path) else torch.float32
     model = modeling.build_model(cfg, model_config, load_dtype, rank, plan.adapter.load_kwargs(load_dtype))
+    if plan.zero_stage == 3:  # experts kept as separate modules (remote code): gathered whole, or ZeRO-3 hangs
+        moe.mark_leaves(model, log)
     n_params = modeling.num_params(model)
     lm_loss.install_for_run(model, plan, log)
     model = plan.adapter.wrap(model, log)

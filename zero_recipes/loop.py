@@ -91,6 +91,8 @@ def fit(loop: Loop, step: int) -> Outcome:
         for loss in losses_of_step:
             window.add_loss(loss)
             guard.observe(loss, step + 1)
+        for aux in loop.runner.step_aux:  # a mixture of experts' balancing loss, logged as aux_loss
+            window.add_aux(aux)
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:

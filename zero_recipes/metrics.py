@@ -165,6 +165,8 @@ class LogWindow:
         import torch
 
         self.loss_sum = torch.zeros((), device=device)
+        self.aux_sum = torch.zeros(2, device=device)  # a mixture of experts' balancing losses, and their count
+        self.has_aux = False
         self.tokens_per_step_rank, self.losses_per_step = tokens_per_step_rank, losses_per_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         # `tokens_per_step_rank` counts a data-parallel replica's rows; `group` ranks train them together (a TP
@@ -177,6 +179,11 @@ class LogWindow:
 
     def add_loss(self, loss) -> None:
         self.loss_sum += loss.detach()
+
+    def add_aux(self, aux) -> None:
+        self.aux_sum[0] += aux.float()
+        self.aux_sum[1] += 1
+        self.has_aux = True
 
     def add_step(self, data_wait: float) -> None:
         self.steps += 1
@@ -196,6 +203,11 @@ class LogWindow:
         import torch.distributed as dist
 
         dist.all_reduce(self.loss_sum)  # a TP group's ranks hold the same loss: the mean over all is theirs
+        aux = None
+        if self.has_aux:  # every rank trains the same model: all have balancing losses, or none
+            dist.all_reduce(self.aux_sum)
+            aux = (self.aux_sum[0] / self.aux_sum[1]).item()
+            self.aux_sum.zero_()
         world = dist.get_world_size()
         loss = self.loss_sum.item() * self.loss_shares / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
@@ -207,6 +219,8 @@ class LogWindow:
             "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
             "data_wait_frac": self.data_wait / elapsed,
         }
+        if aux is not None:
+            out["aux_loss"] = aux
         self.loss_sum.zero_()
         self._restart()
         return out

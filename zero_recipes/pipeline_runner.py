@@ -28,6 +28,8 @@ from .runner import label_tokens
 
 
 class PipelineRunner:
+    step_aux: list = []  # the pipeline splits dense families only: no balancing loss
+
     def __init__(self, engine, plan, rank: int, sft: bool):
         self.engine, self.rank = engine, rank
         self.loss = engine.module.loss_fn

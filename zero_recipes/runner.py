@@ -8,6 +8,7 @@ objective's, implements the same calls, and `fit()` (loop.py) does not change:
 
     micro_batch(batch)                       one micro-batch of the data order, on the device, this rank's part
     train_step(micro_batches, logging_step) -> (each micro-batch's loss, the grad norm or None)
+    step_aux                                 the last step's balancing losses (a mixture of experts; else [])
     eval_rows(batch) -> (loss sum, label tokens, wrong tokens) per row
     count_group                              what per-rank sums are all-reduced over
     logits(input_ids)                        the engine's logits on rank 0, for the export check
@@ -30,6 +31,7 @@ class EagerRunner:
         self.count_label_tokens = sft or parallelism.counts_tokens
         # ZeRO-0 in fp32 runs without the DeepSpeed optimizer wrapper that records the grad norm: measure it
         self.measures_grad_norm = plan.zero_stage == 0 and plan.precision == "fp32"
+        self.step_aux: list = []
         self.grad_divisor = plan.mesh.gradient_divisor(plan.zero_stage)
         """What DeepSpeed divides the sum of all ranks' gradients by (mesh.Mesh.gradient_divisor)."""
 
@@ -52,9 +54,12 @@ class EagerRunner:
             torch.distributed.all_reduce(n_items, group=self.count_group)
             # DeepSpeed divides by the accumulation steps and by grad_divisor; undo both here
             extra["num_items_in_batch"] = n_items.clamp(min=1) / (accumulation * self.grad_divisor)
-        grad_norm, losses = None, []
+        grad_norm, losses, self.step_aux = None, [], []
         for micro, batch in enumerate(micro_batches):
-            loss = engine(**batch, **extra).loss
+            out = engine(**batch, **extra)
+            loss = out.loss
+            if out.get("aux_loss") is not None:
+                self.step_aux.append(out["aux_loss"].detach())
             engine.backward(loss)
             if self.measures_grad_norm and logging_step and micro == accumulation - 1:
                 grad_norm = torch.nn.utils.get_total_norm(

@@ -175,13 +175,28 @@ def register_ulysses(cfg, model_config, mesh):
         packed_attention.install()
     return UlyssesSPAttentionHF.register_with_transformers(
         # DeepSpeed reads `.config` from a model, or loads one by hub id; ours may exist only in memory
-        model_name_or_path=SimpleNamespace(config=model_config),
+        model_name_or_path=SimpleNamespace(config=with_head_dim(model_config)),
         core_attn_implementation=attn,
         sequence_parallel_size=mesh.sp,
         micro_batch_size=cfg.per_device_train_batch_size,
         seq_length_is_variable=True,  # SFT rows vary in length
         disable_in_eval=True,  # eval and the export check run whole rows, no SP (see the module docstring)
     )
+
+
+def with_head_dim(model_config):
+    """The config with `head_dim` set. DeepSpeed 0.19.8's Ulysses reads `config.head_dim` for its query shape,
+    and configs whose attention derives it (Mixtral's head_dim is None: hidden_size / heads) made it fail with
+    "torch.Size() takes an iterable of 'int'" (measured); the value is the one transformers' attention uses."""
+    import copy
+
+    text = model_config.get_text_config()
+    if getattr(text, "head_dim", None):
+        return model_config
+    model_config = copy.deepcopy(model_config)
+    text = model_config.get_text_config()
+    text.head_dim = text.hidden_size // text.num_attention_heads
+    return model_config
 
 
 def deepspeed_mpu():

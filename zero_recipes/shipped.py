@@ -26,6 +26,9 @@ SEQUENCE_PARALLEL: dict[int, str] = {n: f"ds_configs/sp{n}.json" for n in (2, 4,
 PIPELINE_PARALLEL: dict[int, str] = {n: f"ds_configs/pp{n}.json" for n in (2, 4, 8)}
 """Pipeline fragments by stage count, added after ZeRO-0 or ZeRO-1: `ds_configs/zero1.json ds_configs/pp2.json`."""
 
+EXPERT_PARALLEL: dict[int, str] = {n: f"ds_configs/ep{n}.json" for n in (2, 4, 8)}
+"""AutoEP fragments by degree, added after any ZeRO combination: `ds_configs/zero2.json ds_configs/ep2.json`."""
+
 PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("ds_configs/bf16.json",)}
 """Fragments added for a precision (fp32 is the default: none)."""
 

@@ -1,0 +1,150 @@
+"""Mixtures of experts trained for real on 2 CPU ranks: every ZeRO stage and DeepSpeed AutoEP's expert
+parallelism against the shared ZeRO-0 run, the balancing loss in the gradient, resume after a kill, the export.
+
+Every run trains the baseline's global batch: 2 ranks x micro 4, each rank its own rows (the data order
+shards by rank), so the two ranks route different tokens to different experts in every step. That is the
+case that hangs ZeRO-3 when experts are separate modules; transformers 5 packs a layer's experts into 3-D
+parameters, so every rank gathers all of them (moe.py). The balancing loss is on with a coefficient large
+enough to move the losses (0.05), so a run that dropped it would fail the parity checks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import CONFIGS, FAST, at_step_4, export_diff, fault_env, launch, refusal, remove_shm, step_losses
+from zero_recipes.shipped import EXPERT_PARALLEL, SEQUENCE_PARALLEL
+
+EP2 = EXPERT_PARALLEL[2]
+PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 1.9e-6 (losses), 0 (logits)
+COEF = 0.05
+SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 4096}
+SHAPE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **SHAPE}
+MOE = ["--model_config", json.dumps(MIXTRAL), "--router_aux_loss_coef", str(COEF)]
+
+# the other families: Qwen2-MoE (a gated shared expert beside the routed ones) and DeepSeek-V3 (a shared expert,
+# sigmoid routing in groups, a dense first layer, no balancing loss in transformers: a routing bias instead)
+FAMILIES = {
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    | {"shared_expert_intermediate_size": 48, **SHAPE},
+    "deepseek_v3": {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2}
+    | {"moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}
+    | {"q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+    | {**SHAPE, "num_key_value_heads": 4},
+}
+
+LAYOUTS = {  # name -> fragments; every one the baseline's 2 ranks x micro 4
+    "zero1": [*CONFIGS["zero1"]],
+    "zero2": [*CONFIGS["zero2"]],
+    "zero3": [*CONFIGS["zero3"]],
+    "zero2+ep2": [*CONFIGS["zero2"], EP2],
+    "zero3+ep2": [*CONFIGS["zero3"], EP2],
+}
+
+
+def moe_args(*fragments: str) -> list[str]:
+    return FAST + ["--deepspeed", *fragments, *MOE, "--save_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def moe_zero0(shared_runs):
+    return shared_runs.get("moe-zero0", moe_args(*CONFIGS["zero0"]), launcher="forked").check()
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name.replace("+", "-")) / "run"
+            runs[name] = launch(moe_args(*LAYOUTS[name]) + ["--verify_export"], out, launcher="forked").check()
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_zero_stage_and_expert_parallelism_match_zero0_with_ranks_routing_differently(name, moe_run, moe_zero0):
+    run = moe_run(name)
+    got, want = step_losses(run), step_losses(moe_zero0)
+    assert sorted(got) == list(range(1, 9))
+    assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
+    aux = [r["aux_loss"] for r in run.records if "loss" in r]
+    assert len(aux) == 8 and all(a >= 1.0 for a in aux)  # Switch's loss is 1 at perfect balance, more otherwise
+    assert f"balancing loss: router_aux_loss_coef {COEF:g} x aux_loss" in run.log
+    assert "active per token (4 experts, 2 per token, 2 of 2 layers sparse)" in run.log
+    if "ep2" in name:
+        assert "experts split 2 ways" in run.log and "each rank holds 2 of every layer's 4 experts" in run.log
+    assert export_diff(run) <= PARITY  # every rank's experts back in the HF layout, reloaded by from_pretrained
+
+
+def test_the_balancing_loss_is_in_the_first_step_and_moves_every_later_one(moe_zero0, tmp_path):
+    """Without it (coefficient 0) step 1's loss is the baseline's less COEF x its aux loss, exactly the term
+    transformers adds; from step 2 the language loss itself differs, so the term reached the gradient."""
+    args = FAST + ["--deepspeed", *CONFIGS["zero0"], "--model_config", json.dumps(MIXTRAL)]
+    run = launch(args + ["--router_aux_loss_coef", "0"], tmp_path / "run", launcher="forked").check()
+    got, want = step_losses(run), step_losses(moe_zero0)
+    aux = {r["step"]: r["aux_loss"] for r in moe_zero0.records if "loss" in r}
+    language_loss = {s: want[s] - COEF * aux[s] for s in want}  # the baseline's loss without the term
+    assert got[1] == pytest.approx(language_loss[1], abs=1e-6)
+    # Adam's first update is lr x sign(gradient): the term changes few signs, so step 2 is 4e-7 apart
+    moved = [abs(got[s] - language_loss[s]) for s in range(3, 9)]
+    assert min(moved) > 1e-5 and max(moved) > 1e-3, moved  # the router trained otherwise: the term had a gradient
+    assert not any("aux_loss" in r for r in run.records)
+
+
+def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(moe_run, tmp_path):
+    full = moe_run("zero2+ep2")
+    out = tmp_path / "run"
+    args = moe_args(*LAYOUTS["zero2+ep2"])
+    killed = launch(args, out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
+    remove_shm(killed.port)
+    assert killed.proc.returncode != 0
+    again = launch(args, out, launcher="forked").check()
+    assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
+    got, want = step_losses(again), step_losses(full)
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
+
+
+def test_an_expert_parallel_resume_on_another_layout_is_refused_in_one_line(moe_run, tmp_path):
+    out = at_step_4(moe_run("zero2+ep2").output_dir, tmp_path / "run")
+    args = moe_args(*CONFIGS["zero2"]) + ["--resume_from_checkpoint", "auto", "--output_dir", str(out)]
+    line = refusal(*args, world=2)
+    assert "resumes an expert-parallel run only on the layout it was saved with" in line
+    assert (out / "checkpoints" / "step-4").is_dir()  # nothing of the run lost
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shared_expert_families_under_zero3_and_expert_parallelism_match_zero0(family, tmp_path):
+    model = ["--model_config", json.dumps(FAMILIES[family]), "--max_steps", "4"]
+    base = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *model], tmp_path / "zero0", launcher="forked").check()
+    fragments = [*CONFIGS["zero3"], EP2]
+    run = launch(FAST + ["--deepspeed", *fragments, *model, "--verify_export"], tmp_path / "ep", launcher="forked")
+    got, want = step_losses(run.check()), step_losses(base)
+    assert max(abs(got[s] - want[s]) for s in range(1, 5)) <= PARITY, (got, want)
+    assert export_diff(run) <= PARITY  # the shared experts and the router under their HF names
+    assert ("aux_loss" in run.records[0]) == (family == "qwen2_moe")  # DeepSeek-V3 balances by a routing bias
+
+
+def test_sequence_parallel_splits_each_row_and_keeps_the_balancing_loss_of_the_whole_row(moe_zero0, tmp_path):
+    """SP2 on 2 ranks is one replica training the baseline's 8 rows a step as micro 4 x 2, each row split over
+    the SP group. train.py's loss adds the balancing loss with the per-expert sums all-reduced over the group
+    (moe.BalancingLoss), so it is the whole rows' balancing loss: equal to transformers' own loss of one rank
+    fed the same micro-batches. The language loss is the shared baseline's (the aux loss is not additive over
+    rows, so it depends on how rows group into micro-batches: the baseline groups them by rank)."""
+    batch = ["--gradient_accumulation_steps", "2"]
+    args = FAST + ["--deepspeed", *CONFIGS["zero3"], SEQUENCE_PARALLEL[2], *MOE, *batch]
+    run = launch(args, tmp_path / "sp", launcher="forked").check()
+    assert "loss: computed by train.py" in run.log
+    one_rank = launch(FAST + ["--deepspeed", *CONFIGS["zero0"], *MOE, *batch], tmp_path / "one", nproc=1).check()
+    for key in ("loss", "aux_loss"):
+        got, want = [{r["step"]: r[key] for r in x.records if "loss" in r} for x in (run, one_rank)]
+        assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (key, got, want)
+    language = [
+        {r["step"]: r["loss"] - COEF * r["aux_loss"] for r in x.records if "loss" in r} for x in (run, moe_zero0)
+    ]
+    assert abs(language[0][1] - language[1][1]) <= PARITY, language  # step 1: the same weights, the same rows
