@@ -31,6 +31,16 @@ ONE_LAYER = (
     '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}'
 )
 GPT2 = '{"model_type": "gpt2", "vocab_size": 4096, "n_embd": 32, "n_layer": 2, "n_head": 4}'
+EP2 = "ds_configs/ep2.json"
+
+
+def moe_config(model_type: str = "mixtral", **fields) -> str:
+    """A tiny mixture of experts of `model_type` (Mixtral's fields unless given)."""
+    import json
+
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 4096}
+    shape |= {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    return json.dumps({"model_type": model_type, "num_local_experts": 4, **shape, **fields})
 
 
 @dataclass
@@ -95,6 +105,24 @@ CASES = [
     Case("pipeline with DeepSpeed's wall-clock timers", ("--deepspeed", "ds_configs/zero1.json", "{tmp}/pp.json"),
          ("wall_clock_breakdown = true with pipeline.stages", "set it false"),
          files={"pp.json": '{"pipeline": {"stages": 2}, "wall_clock_breakdown": true}'}),
+    # ---- mixtures of experts and expert parallelism ---------------------------------------------------
+    Case("expert parallelism on a dense model", (*ZERO2, EP2, "--dry_run"),
+         ("model type 'llama' has no experts to split", "remove the ep fragment")),
+    Case("expert parallelism not dividing the experts", (*ZERO2, EP2, "--model_config", moe_config(num_local_experts=3)),
+         ("autoep_size = 2 does not divide the model's 3 experts",)),
+    Case("expert parallelism not dividing the world", (*ZERO2, "ds_configs/ep4.json", "--model_config", moe_config()),
+         ("2 rank(s) cannot split into expert-parallel groups of 4", "pick an autoep_size that divides")),
+    Case("expert parallelism with tensor parallelism", ("--deepspeed", "ds_configs/zero1.json", "ds_configs/tp2.json",
+                                                        EP2, "--model_config", moe_config()),
+         ("expert_parallel.autoep_size = 2 with tensor_parallel.autotp_size = 2", "use one of them")),
+    Case("expert parallelism for a family AutoEP has no preset for",
+         (*ZERO2, EP2, "--model_config", moe_config("olmoe", num_experts=4)),
+         ("AutoEP has no preset for model type 'olmoe'", "without the ep fragment")),
+    Case("an unknown mixture of experts under ZeRO-3",
+         ("--deepspeed", "ds_configs/zero3.json", "--model_config", moe_config("phimoe")),
+         ("'phimoe' is a mixture of experts this project does not know", '"leaf_module"', "zero2.json")),
+    Case("more experts per token than experts", (*ZERO2, "--model_config", moe_config(num_experts_per_tok=5)),
+         ("num_experts_per_tok = 5 is greater than the 4 experts", "at most 4")),
     Case("pipeline seed_layers", ("--deepspeed", "ds_configs/zero1.json", "{tmp}/pp.json"),
          ("pipeline.seed_layers = true", "remove seed_layers"),
          files={"pp.json": '{"pipeline": {"stages": 2, "seed_layers": true}}'}),
