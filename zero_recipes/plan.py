@@ -52,8 +52,9 @@ class RunPlan:
         model_config, notes = hub.dry_run_model_config(cfg) if cfg.dry_run else (modeling.load_model_config(cfg), ())
         world = distributed.rank_info()[2]
         group = Mesh.of(1, raw)
-        if cfg.dry_run and world == 1 and group.group > 1:  # `python train.py --dry_run` on a login node
-            world = group.group
+        needed = max(group.group, group.ep)  # expert-parallel ranks are not a group sharing rows, but need ranks
+        if cfg.dry_run and world == 1 and needed > 1:  # `python train.py --dry_run` on a login node
+            world = needed
             kind = next(f"{axis}-parallel" for axis, n in group.sizes.items() if n > 1)
             notes += (
                 f"dry run without a launcher: planned for {world} ranks (one {kind} group); set WORLD_SIZE "

@@ -46,6 +46,7 @@ ARCHITECTURES: dict[str, str] = {
     "meta-llama/Llama-3.1-8B": "recipes/configs/llama-3.1-8b.json",
     "meta-llama/Llama-3.1-70B": "recipes/configs/llama-3.1-70b.json",
     "mistralai/Mistral-7B-v0.3": "recipes/configs/mistral-7b-v0.3.json",
+    "mistralai/Mixtral-8x7B-v0.1": "recipes/configs/mixtral-8x7b-v0.1.json",
     "Qwen/Qwen2.5-7B": "recipes/configs/qwen2.5-7b.json",
 }
 """Hub model id -> its published config.json, copied into recipes/configs/: what `--dry_run` plans with when the

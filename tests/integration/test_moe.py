@@ -18,7 +18,7 @@ from helpers import CONFIGS, FAST, at_step_4, export_diff, fault_env, launch, re
 from zero_recipes.shipped import EXPERT_PARALLEL, SEQUENCE_PARALLEL
 
 EP2 = EXPERT_PARALLEL[2]
-PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 1.9e-6 (losses), 0 (logits)
+PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 9.5e-7 (losses)
 COEF = 0.05
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 4096}
 SHAPE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
