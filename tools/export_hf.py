@@ -115,6 +115,45 @@ def write_pipeline(ckpt: Path, out: Path, dtype, max_shard_size: str) -> None:
     save_torch_state_dict(sd, str(out), max_shard_size=max_shard_size, safe_serialization=True)
 
 
+def expert_files(ckpt: Path) -> list[Path]:
+    """An expert-parallel (AutoEP) checkpoint's per-expert weights: layer_L_expert_E_mp_rank_XX_model_states.pt."""
+    return sorted(ckpt.glob("layer_*_expert_*_model_states.pt"))
+
+
+def expert_parallel(ckpt: Path) -> bool:
+    """Whether the run that saved `ckpt` split its experts (its layout says so; DeepSpeed's expert files)."""
+    import json
+
+    from zero_recipes.checkpoint import LAYOUT
+
+    layout = json.loads((ckpt / LAYOUT).read_text()) if (ckpt / LAYOUT).is_file() else {}
+    return layout.get("expert_parallel", 1) > 1 or bool(expert_files(ckpt))
+
+
+def write_expert_parallel(ckpt: Path, stage: int, out: Path, dtype, max_shard_size: str) -> None:
+    """Under ZeRO-0/1/2 an AutoEP checkpoint holds the dense weights whole in mp_rank_00_model_states.pt and
+    each expert in a file of its own: together, under the HF names (expert_parallel.to_hf_names)."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig
+
+    from zero_recipes.expert_parallel import experts_from_files, to_hf_names
+    from zero_recipes.export import hf_shapes
+
+    if stage == 3:
+        raise ConfigError(
+            f"{ckpt} is a ZeRO-3 + expert-parallel checkpoint, whose partitioned experts this tool does not "
+            "consolidate; relaunch the run's own command (same ranks and configs): it resumes from this "
+            "checkpoint, and the output_dir it finishes is the exported model"
+        )
+    dense = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    sd = to_hf_names(
+        dense, experts_from_files(expert_files(ckpt)), hf_shapes(AutoConfig.from_pretrained(ckpt / HF_FILES))
+    )
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    save_torch_state_dict(sd, str(out), max_shard_size=max_shard_size, safe_serialization=True)
+
+
 def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, merge: bool = False) -> Path:
     import torch
 
@@ -137,6 +176,8 @@ def export(checkpoint: Path, out_dir: Path, dtype: str, max_shard_size: str, mer
             return ckpt
         if pipeline_layer_files(ckpt):
             write_pipeline(ckpt, tmp, getattr(torch, DTYPES[dtype]), max_shard_size)
+        elif expert_parallel(ckpt):
+            write_expert_parallel(ckpt, stage, tmp, getattr(torch, DTYPES[dtype]), max_shard_size)
         elif tensor_parallel_degree(ckpt) > 1:
             if stage == 3:
                 raise ConfigError(

@@ -107,29 +107,34 @@ def whole_experts(layer):
 
 def hf_state_dict(module, sd, rank: int, hf_shapes: dict):
     """`sd` (rank 0's gathered state dict of the AutoEP model; None elsewhere) under the HF family's names and
-    layout: every expert of a layer in `experts.gate_up_proj` / `experts.down_proj` (w1 and w3 are the gate and
-    up halves, as AutoEP's ep_repack cut them), the router as `gate`, the shared experts as the family names
-    them. `hf_shapes`: the HF model's parameter shapes by name. Collective (whole_experts)."""
+    layout (`to_hf_names`), with every rank's experts. `hf_shapes`: the HF model's tensor shapes by name.
+    Collective (whole_experts)."""
+    layers = expert_layers(module)
+    experts = {prefix: whole_experts(layer) for prefix, layer in layers.items()}
+    if rank != 0:
+        return None
+    params = {f"{prefix}.{n}" for prefix, layer in layers.items() for n, _ in layer.named_parameters()}
+    return to_hf_names(sd, experts, hf_shapes, params)
+
+
+def to_hf_names(sd: dict, experts: dict, hf_shapes: dict, params=None) -> dict:
+    """An AutoEP state dict under the HF family's names: each layer's experts (`experts`: module path ->
+    (w1, w2, w3) of every expert, [E, I, H], [E, H, I], [E, I, H]) in `experts.gate_up_proj` /
+    `experts.down_proj` (w1 and w3 are the gate and up halves, as AutoEP's ep_repack cut them), the router as
+    `gate`, the shared experts as the family names them. A tensor with no HF name is AutoEP's own (its token
+    counts, the router's alias) and is dropped; a parameter in `params` without one is an error."""
     import torch
 
-    for prefix, layer in expert_layers(module).items():
-        w1, w2, w3 = whole_experts(layer)
-        if rank != 0:
-            continue
-        params = {f"{prefix}.{n}" for n, _ in layer.named_parameters()}
+    for prefix, (w1, w2, w3) in experts.items():
         for name in [k for k in sd if k.startswith(prefix + ".")]:
             value, rest = sd.pop(name), name[len(prefix) + 1 :]
             if rest.startswith("experts."):
                 continue
-            target = next(
-                (c for c in _hf_names(prefix, rest) if c in hf_shapes),
-                None,
-            )
+            target = next((c for c in _hf_names(prefix, rest) if c in hf_shapes), None)
             if target is not None:
-                sd[target] = value
-            elif name in params:
+                sd.setdefault(target, value)
+            elif params is not None and name in params:
                 raise RuntimeError(f"export: no HF name for AutoEP parameter {name}")
-            # else AutoEP's own buffer (tokens_per_expert): not part of the HF model
         gate_up, down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
         if hf_shapes[gate_up][1] == 2 * w1.shape[1]:  # [E, 2I, H]
             sd[gate_up] = torch.cat([w1, w3], dim=1)
@@ -137,6 +142,24 @@ def hf_state_dict(module, sd, rank: int, hf_shapes: dict):
             sd[gate_up] = torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous()
         sd[down] = w2 if tuple(hf_shapes[down]) == tuple(w2.shape) else w2.transpose(1, 2).contiguous()
     return sd
+
+
+def experts_from_files(files) -> dict:
+    """Every expert of every layer from DeepSpeed's expert checkpoint files (one per layer and global expert:
+    `layer_L_expert_E_mp_rank_00_model_states.pt`, keys `<module path>.experts.w1.<E>`), stacked by expert id
+    as `to_hf_names` takes them."""
+    import torch
+
+    by_layer: dict = {}
+    for f in files:
+        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+            prefix, _, tail = key.partition(".experts.")
+            weight, expert = tail.split(".")
+            by_layer.setdefault(prefix, {}).setdefault(weight, {})[int(expert)] = value
+    return {
+        prefix: tuple(torch.stack([w[e] for e in sorted(w)]) for w in (ws["w1"], ws["w2"], ws["w3"]))
+        for prefix, ws in by_layer.items()
+    }
 
 
 def _hf_names(prefix: str, rest: str) -> list[str]:

@@ -148,3 +148,27 @@ def test_sequence_parallel_splits_each_row_and_keeps_the_balancing_loss_of_the_w
         {r["step"]: r["loss"] - COEF * r["aux_loss"] for r in x.records if "loss" in r} for x in (run, moe_zero0)
     ]
     assert abs(language[0][1] - language[1][1]) <= PARITY, language  # step 1: the same weights, the same rows
+
+
+def test_export_tool_maps_each_expert_file_to_the_trained_model_and_refuses_zero3_in_one_line(moe_run, tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import REPO
+
+    run = moe_run("zero2+ep2")
+    tool = [sys.executable, "tools/export_hf.py"]
+    proc = subprocess.run([*tool, str(run.output_dir), str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = torch.randint(0, 1000, (2, 32))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = AutoModelForCausalLM.from_pretrained(run.output_dir).eval()
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    zero3 = moe_run("zero3+ep2").output_dir
+    proc = subprocess.run([*tool, str(zero3), str(tmp_path / "hf3")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "ZeRO-3 + expert-parallel checkpoint" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf3").exists()
