@@ -172,3 +172,18 @@ def test_export_tool_maps_each_expert_file_to_the_trained_model_and_refuses_zero
     proc = subprocess.run([*tool, str(zero3), str(tmp_path / "hf3")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "ZeRO-3 + expert-parallel checkpoint" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf3").exists()
+
+
+def test_packed_sft_keeps_the_balancing_loss_under_expert_parallelism(tmp_path):
+    """Packed chat rows (SFT's path: labels masked, the step normalised by its label tokens across ranks,
+    transformers' loss with its aux term): ZeRO-2 + EP2 against ZeRO-0 on the same rows."""
+    from helpers import SFT, SFT_ZERO0_BATCH
+
+    args = FAST + [*SFT, "--packing", "true", *SFT_ZERO0_BATCH, *MOE, "--max_steps", "4"]
+    base = launch(args + ["--deepspeed", *CONFIGS["zero0"]], tmp_path / "zero0", launcher="forked").check()
+    run = launch(args + ["--deepspeed", *CONFIGS["zero2"], EP2], tmp_path / "ep", launcher="forked").check()
+    for key in ("loss", "aux_loss"):
+        got, want = [{r["step"]: r[key] for r in x.records if "loss" in r} for x in (run, base)]
+        assert max(abs(got[s] - want[s]) for s in range(1, 5)) <= PARITY, (key, got, want)
+    ev = [[r for r in x.records if "eval_loss" in r][-1] for x in (run, base)]
+    assert abs(ev[0]["eval_loss"] - ev[1]["eval_loss"]) <= PARITY
