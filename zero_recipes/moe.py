@@ -141,9 +141,9 @@ def mlp_params(model_config) -> MlpParams:
     expert = 3 * h * width
     shared = 0
     if fam and fam.shared_width:
-        shared = 3 * h * int(getattr(text, fam.shared_width) or 0) + (h if fam.shared_gate else 0)
+        shared = 3 * h * int(getattr(text, fam.shared_width, 0) or 0) + (h if fam.shared_gate else 0)
     elif fam and fam.shared_count:
-        shared = 3 * h * width * int(getattr(text, fam.shared_count) or 0)
+        shared = 3 * h * width * int(getattr(text, fam.shared_count, 0) or 0)
     router = h * e
     n_sparse, n_dense = len(sparse), layers - len(sparse)
     routed_per_layer = e * expert

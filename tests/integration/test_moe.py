@@ -187,3 +187,57 @@ def test_packed_sft_keeps_the_balancing_loss_under_expert_parallelism(tmp_path):
         assert max(abs(got[s] - want[s]) for s in range(1, 5)) <= PARITY, (key, got, want)
     ev = [[r for r in x.records if "eval_loss" in r][-1] for x in (run, base)]
     assert abs(ev[0]["eval_loss"] - ev[1]["eval_loss"]) <= PARITY
+
+
+@pytest.fixture(scope="module")
+def per_expert_checkpoint(tmp_path_factory):
+    """tests/remote_code/per_expert_moe.py saved as a hub checkpoint with its code, and the embedded tokenizer."""
+    import importlib.util
+    import sys
+
+    from helpers import REPO
+    from zero_recipes.config import TrainConfig
+    from zero_recipes.data import builtin_tokenizer_dir
+
+    spec = importlib.util.spec_from_file_location(
+        "per_expert_moe", REPO / "tests" / "remote_code" / "per_expert_moe.py"
+    )
+    code = importlib.util.module_from_spec(spec)
+    sys.modules["per_expert_moe"] = code  # transformers copies the module's file beside the weights
+    spec.loader.exec_module(code)
+    code.PerExpertMoeConfig.register_for_auto_class()
+    code.PerExpertMoeForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    __import__("torch").manual_seed(0)
+    where = tmp_path_factory.mktemp("per-expert") / "model"
+    code.PerExpertMoeForCausalLM(code.PerExpertMoeConfig()).save_pretrained(where)
+    return ["--model_name_or_path", str(where), "--trust_remote_code", "true"] + [
+        "--tokenizer_name_or_path",
+        str(builtin_tokenizer_dir(TrainConfig())),
+    ]
+
+
+def test_experts_kept_as_separate_modules_are_gathered_whole_under_zero3(per_expert_checkpoint, tmp_path):
+    """8 experts, top-1, 16 tokens per rank and step, each rank its own rows: in every step some expert gets
+    tokens on one rank and none on the other. As separate modules ZeRO-3 gathers it on one rank only. Measured
+    without the leaf: "Received data size doesn't match expected size. Is there a distributed collective
+    mismatch" (gloo's form of the NCCL hang). train.py finds the block's `experts` ModuleList and makes the
+    block a leaf (DeepSpeed's set_z3_leaf_modules): the run completes with ZeRO-0's losses. Parameters below
+    DeepSpeed's persistence threshold are never partitioned, so the fragment sets it to 0 (real experts are
+    far above its 1e5 elements)."""
+    partitioned = tmp_path / "partition-every-parameter.json"
+    partitioned.write_text('{"zero_optimization": {"stage3_param_persistence_threshold": 0}}')
+    args = FAST + [
+        *per_expert_checkpoint,
+        "--max_steps",
+        "4",
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "1",
+    ]
+    base = launch(args + ["--deepspeed", *CONFIGS["zero0"]], tmp_path / "zero0", launcher="forked").check()
+    zero3 = ["--deepspeed", *CONFIGS["zero3"], str(partitioned)]
+    run = launch(args + zero3, tmp_path / "zero3", launcher="forked", timeout=300).check()
+    assert "moe: PerExpertMoeBlock keep experts as separate modules" in run.log
+    got, want = step_losses(run), step_losses(base)
+    assert max(abs(got[s] - want[s]) for s in range(1, 5)) <= PARITY, (got, want)
