@@ -36,9 +36,8 @@ FAMILIES = {
     | {**SHAPE, "num_key_value_heads": 4},
 }
 
-LAYOUTS = {  # name -> fragments; every one the baseline's 2 ranks x micro 4
+LAYOUTS = {  # name -> fragments; every one the baseline's 2 ranks x micro 4 (ZeRO-2's own is with EP2)
     "zero1": [*CONFIGS["zero1"]],
-    "zero2": [*CONFIGS["zero2"]],
     "zero3": [*CONFIGS["zero3"]],
     "zero2+ep2": [*CONFIGS["zero2"], EP2],
     "zero3+ep2": [*CONFIGS["zero3"], EP2],
