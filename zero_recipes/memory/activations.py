@@ -110,6 +110,8 @@ def trace_peak(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
+    from .moe import traceable_experts
+
     attn = "sdpa" if attn.startswith("flash") else attn  # same memory class: no s x s matrix is kept
     if sp > 1:
         from .sequence_parallel import traced_attention
@@ -138,7 +140,7 @@ def trace_peak(
                 p.register_post_accumulate_grad_hook(_drop_when_ready)
         ids = torch.zeros(micro_batch, seq_len // sp, dtype=torch.long)
         tracker = _tracker_class()(list(model.parameters()) + list(model.buffers()))
-        with tracker, _eager_masks():
+        with tracker, _eager_masks(), traceable_experts():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     return tracker.peak
 

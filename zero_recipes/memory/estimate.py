@@ -12,16 +12,17 @@ model on every rank) only before either.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .. import combinations
 from ..ds_facts import offloads, precision as ds_precision, zero_stage
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..sequence_parallel import check_split
+from . import moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
-from .states import PHASES, Setup, phases
+from .states import PHASES, Setup, _bucket, phases
 
 UNITS = {
     "": 1,
@@ -85,6 +86,8 @@ class Launch:
     """train.py's --loss_tile_tokens (0: one tile's fp32 logits at most 256 MiB)."""
     tiled_mlp: bool = False
     """train.py's --tiled_mlp: every MLP through DeepSpeed's TiledMLP."""
+    expert_imbalance: float = moe_memory.EXPERT_IMBALANCE
+    """Under expert parallelism: the most-loaded rank's routed rows over the balanced tokens x k (memory/moe.py)."""
 
     @property
     def world(self) -> int:
@@ -119,6 +122,8 @@ class Estimate:
     """Pipeline stages; the figures above are then the worst stage's (`pipeline` says which, and every stage's)."""
     pipeline: dict | None = None
     """Under pipeline parallelism: micro_batches, bubble, worst_stage and the stages (pipeline.stage_row)."""
+    moe: dict | None = None
+    """A mixture of experts: total and active parameters, experts, k, what a rank holds under EP (moe.Split)."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -157,13 +162,41 @@ def estimate(
     p = 4 if precision == "fp32" else 2
     off_opt, off_par = offloads(ds)
     zero = ds.get("zero_optimization", {})
-    setup = _setup(shape, mesh.zero_shards, zero_stage(ds), p, precision, off_opt, off_par, zero, launch)
+    # a mixture of experts under EP: a rank holds the dense weights and E/ep of each layer's experts (moe.py)
+    experts = moe_memory.split(model_config, shape.model_params, mesh.ep, launch.world)
+    held, shards = shape, mesh.zero_shards
+    if experts is not None and experts.ep > 1:
+        largest = moe_memory.held_largest(model_config, shape.largest_param, experts)
+        held = replace(shape, num_params=experts.held, largest_param=largest, full_params=shape.model_params)
+        shards = experts.zero_world
+    setup = _setup(held, shards, zero_stage(ds), p, precision, off_opt, off_par, zero, launch)
     if mesh.pp > 1:
         return _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memory, stage_traces)
     by_phase = phases(setup)
     if activations is None:
         activations = _traced(model_config, launch, p, lora, tp, shape, sp)
     in_loss = tiled_head_gradient(model_config, launch, sp, p, mesh.zero_shards, shape)
+    if experts is not None:
+        cap = _bucket(zero, "stage3_max_live_parameters", 1e9) + _bucket(zero, "stage3_prefetch_bucket_size", 5e7)
+        by_phase = moe_memory.adjust_phases(
+            by_phase,
+            experts,
+            setup.stage,
+            p,
+            cap,
+            setup.load_bytes,
+            0 if off_opt else setup.adam_temporaries,
+            launch.accelerator == "gpu",
+        )
+        in_loss += moe_memory.ep_activation_bytes(
+            model_config,
+            experts,
+            launch.micro_batch_size,
+            launch.seq_len,
+            p,
+            launch.gradient_checkpointing,
+            launch.expert_imbalance,
+        )
     table = phase_table(
         {
             "init": [(by_phase["init"], 0)],
@@ -173,7 +206,10 @@ def estimate(
             "optimizer_step": [(by_phase["optimizer_step"], 0)],
         }
     )
-    return _result(table, shape, setup, precision, launch, mesh, gpu_memory, activations.method)
+    e = _result(table, held, setup, precision, launch, mesh, gpu_memory, activations.method)
+    if experts is not None:
+        e.moe = {**experts.as_json(), "expert_imbalance": launch.expert_imbalance if experts.ep > 1 else None}
+    return e
 
 
 def phase_table(candidates: dict) -> dict:

@@ -152,9 +152,11 @@ def main(argv: list[str]) -> int:
             model = parallelism.split(model, ds, quiet)  # as train.py: a pipeline keeps this rank's stage
             engine = make_engine(cfg, model, ds, STEPS, mpu=mpu)
         engine.train()
+        routed = routed_counts(engine.module)
         steps = pipeline_steps if plan.mesh.pp > 1 else eager_steps
         steps(engine, plan, rank, batches, record_function)
     mine = timeline(prof)
+    mine["routed_counts"] = routed
     mine["num_params"] = modeling.num_params(engine.module)
     mine["trainable_params"] = lora.trainable_count(engine.module)[0]
     mine["precision"] = plan.precision
@@ -167,6 +169,45 @@ def main(argv: list[str]) -> int:
         Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
     distributed.finish(0)
     return 0
+
+
+def routed_counts(module) -> list:
+    """Under AutoEP: every MoE layer call's tokens per (global) expert on this rank, in call order, filled as the
+    steps run (the router's third output, auto_ep_layer.RouterOutput.num_tokens_per_expert). With every rank's,
+    `expert_imbalance` gives what the most-loaded rank's experts received. Empty without AutoEP."""
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:
+        return []
+    out: list = []
+
+    def hook(_module, _inputs, output):
+        out.append([int(x) for x in output[2].tolist()])
+
+    for m in module.modules():
+        if isinstance(m, AutoEPMoELayer):
+            m.router.register_forward_hook(hook)
+    return out
+
+
+def expert_imbalance(ranks: list, ep: int, tokens: int, top_k: int, layers: int) -> float:
+    """From a probe's ranks (their `routed_counts`; ranks in order, EP groups of consecutive ranks as AutoEP
+    lays them out): the most rows any rank's experts received in one forward (`layers` MoE layer calls, summed:
+    every layer's rows are held at the backward's start), over the balanced layers x tokens x k."""
+    worst = 0
+    for start in range(0, len(ranks), ep):
+        group = [r["routed_counts"] for r in ranks[start : start + ep]]
+        calls = min(len(g) for g in group)
+        local = len(group[0][0]) // ep
+        for first in range(0, calls - layers + 1, layers):
+            for dest in range(ep):
+                rows = sum(
+                    sum(g[call][dest * local : (dest + 1) * local])
+                    for g in group
+                    for call in range(first, first + layers)
+                )
+                worst = max(worst, rows)
+    return worst / (layers * tokens * top_k)
 
 
 def eager_steps(engine, plan, rank: int, batches: list, record_function) -> None:
