@@ -35,6 +35,12 @@ stage's states are those of its layers over its data-parallel replicas, its acti
 it holds at once under the 1F1B schedule (--gradient_accumulation_steps micro-batches a step; the first stage holds
 the most), the last stage's the whole logits' loss. The peak per GPU is the worst stage's; --tokens counts the
 bubble. --table tries 2 and 4 stages with ZeRO-0/1 where they divide the GPUs of all nodes.
+Mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek): total and active parameters are printed; every expert's
+weights, grads and optimizer states are counted. Expert parallelism (DeepSpeed AutoEP) comes from the merged config's
+expert_parallel.autoep_size, or --expert_parallel N: each rank holds E/N of every layer's experts, their states
+sharded over world/N ranks, the dense ones over all; the most-loaded rank's routed tokens are counted at
+--expert_imbalance (default 2) x the balanced share. With --gpu_memory, every ZeRO-1/2/3 x EP size that divides the
+world and the experts is estimated and the first that fits recommended (memory/moe_advice.py says in which order).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 # DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds_schema.py)
 # imports it: bound to stderr here, so stdout (--json) carries the estimate alone.
@@ -79,6 +86,8 @@ def print_one(e, cfg, args, gpu_memory) -> None:
             f"rank holds {e.params_per_rank:,} of the {e.num_params:,} parameters before ZeRO partitions them over "
             f"the {e.data_parallel} data-parallel rank(s)"
         )
+    if e.moe:
+        print_moe(e)
     if e.trainable_params is not None:
         print(
             f"lora: r {cfg.lora_r} on {', '.join(cfg.lora_target_modules)}; trains {e.trainable_params:,} of "
@@ -113,6 +122,43 @@ def print_one(e, cfg, args, gpu_memory) -> None:
             }[e.fit]
             + ("" if e.fits else "; try --table to see which config fits")
         )
+
+
+def print_moe(e) -> None:
+    """A mixture of experts' parameters: every expert's (what memory holds) and a token's (what compute costs)."""
+    m = e.moe
+    print(
+        f"mixture of experts: {m['total_params']:,} parameters, {m['active_params']:,} active per token "
+        f"({m['experts']} experts, {m['top_k']} per token, {m['sparse_layers']} sparse layers); every expert's "
+        "weights, grads and optimizer states are counted"
+    )
+    if m["expert_parallel"] > 1:
+        print(
+            f"expert parallel: {m['expert_parallel']} (AutoEP); each rank holds {m['experts'] // m['expert_parallel']} "
+            f"of every layer's {m['experts']} experts, {m['held_params']:,} parameters, the experts' states sharded "
+            f"over {m['expert_shards']} rank(s), the dense ones over all; routed tokens counted at "
+            f"{m['expert_imbalance']:g} x the balanced share on the most-loaded rank (--expert_imbalance)"
+        )
+
+
+def print_advice(advice: dict, extra: list, gpu_memory: int) -> None:
+    """Every ZeRO stage x EP size tried for a mixture of experts, and the recommendation."""
+    from zero_recipes.memory.moe_advice import command
+
+    cells = "; ".join(
+        f"{c['config']}{'+ep' + str(c['expert_parallel']) if c['expert_parallel'] > 1 else ''}"
+        f"{' gc' if c['gradient_checkpointing'] else ''} {gb(c['peak_bytes'])}{'' if c['fits'] else ' (' + c['fit'] + ')'}"
+        for c in advice["cells"]
+    )
+    import textwrap
+
+    print("\n" + "\n".join(textwrap.wrap(f"mixture of experts, peak per GPU by config: {cells}", WIDTH - 1)))
+    best = advice["recommended"]
+    if best is None:
+        print(f"recommended: none fits in {gb(gpu_memory)} without offload; try --table for offload and LoRA")
+        return
+    gc = " --gradient_checkpointing" if best["gradient_checkpointing"] else ""
+    print(f"recommended: --deepspeed {command(best, extra)}{gc} ({gb(best['peak_bytes'])} per GPU)")
 
 
 def print_pipeline(e) -> None:
@@ -158,6 +204,17 @@ def parser() -> argparse.ArgumentParser:
         "--pipeline_parallel",
         type=int,
         help="pipeline stages (DeepSpeed PipelineModule, ZeRO-0/1); default: the config's pipeline.stages, else 1",
+    )
+    ap.add_argument(
+        "--expert_parallel",
+        type=int,
+        help="AutoEP size (a mixture of experts' experts split over N ranks); default: the config's "
+        "expert_parallel.autoep_size, else 1",
+    )
+    ap.add_argument(
+        "--expert_imbalance",
+        type=float,
+        help="under expert parallelism, the most-loaded rank's routed tokens over the balanced share (default 2)",
     )
     ap.add_argument(
         "--gradient_accumulation_steps",
@@ -218,6 +275,11 @@ def check_args(args) -> None:
         raise ConfigError(f"--sequence_parallel must be >= 1 (got {args.sequence_parallel})")
     if args.pipeline_parallel is not None and args.pipeline_parallel < 1:
         raise ConfigError(f"--pipeline_parallel must be >= 1 (got {args.pipeline_parallel})")
+    if args.expert_parallel is not None and args.expert_parallel < 1:
+        raise ConfigError(f"--expert_parallel must be >= 1 (got {args.expert_parallel})")
+    if args.expert_imbalance is not None and args.expert_imbalance < 1:
+        raise ConfigError(f"--expert_imbalance is the most-loaded rank's share over the balanced one, >= 1; got "
+                          f"{args.expert_imbalance}")  # fmt: skip
     if not (0 < args.mfu <= 1):
         raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
 
@@ -295,6 +357,12 @@ def run_one(args, gpu_memory) -> None:
             e.pipeline_parallel,
             e.pipeline["micro_batches"] if e.pipeline else 1,
         )
+    advice = None
+    if e.moe and gpu_memory:
+        from zero_recipes.memory.moe_advice import advise, applies
+
+        if applies(config, cfg, e):
+            advice = out["moe_advice"] = advise(args, cfg, config, gpu_memory, loader())
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -302,6 +370,9 @@ def run_one(args, gpu_memory) -> None:
         c = out.get("compute")
         if c:
             print_compute(c)
+        if advice:
+            extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith(("zero", "ep", "offload"))]
+            print_advice(advice, extra, gpu_memory)
 
 
 def print_compute(c: dict) -> None:

@@ -114,13 +114,17 @@ def model_config(args, cfg):
 
 
 def flag_overrides(args, raw: dict) -> None:
-    """--tensor_parallel, --sequence_parallel and --pipeline_parallel over what the merged DeepSpeed fragments set."""
+    """--tensor_parallel, --sequence_parallel, --pipeline_parallel and --expert_parallel over what the merged
+    DeepSpeed fragments set."""
     if args.tensor_parallel and not args.table:  # --table sets each cell's size itself
         raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": args.tensor_parallel}
     if args.sequence_parallel and not args.table:
         raw["sequence_parallel_size"] = args.sequence_parallel
     if getattr(args, "pipeline_parallel", None) and not args.table:
         raw["pipeline"] = {**(raw.get("pipeline") or {}), "stages": args.pipeline_parallel}
+    if getattr(args, "expert_parallel", None) and not args.table:
+        raw["expert_parallel"] = {**(raw.get("expert_parallel") or {}), "enabled": True}
+        raw["expert_parallel"]["autoep_size"] = args.expert_parallel
 
 
 def precision_notes(raw: dict, cfg) -> list[str]:
@@ -178,6 +182,8 @@ def one(args, gpu_memory):
         loss_tile_tokens=cfg.loss_tile_tokens,
         tiled_mlp=cfg.tiled_mlp,
     )
+    if getattr(args, "expert_imbalance", None):
+        launch.expert_imbalance = args.expert_imbalance
     e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
     if e.tensor_parallel > args.num_gpus:
         notes.append(
