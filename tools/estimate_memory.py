@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 # DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds_schema.py)
 # imports it: bound to stderr here, so stdout (--json) carries the estimate alone.
@@ -371,8 +370,9 @@ def run_one(args, gpu_memory) -> None:
         if c:
             print_compute(c)
         if advice:
-            extra = [f for f in (args.deepspeed or []) if not Path(f).name.startswith(("zero", "ep", "offload"))]
-            print_advice(advice, extra, gpu_memory)
+            from zero_recipes.memory.moe_advice import extra_fragments
+
+            print_advice(advice, extra_fragments(cfg), gpu_memory)
 
 
 def print_compute(c: dict) -> None:

@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistralai/Mistral-7B-v0.3": "recipes/configs/mistral-7b-v0.3.json",
     "mistralai/Mixtral-8x7B-v0.1": "recipes/configs/mixtral-8x7b-v0.1.json",
     "Qwen/Qwen2.5-7B": "recipes/configs/qwen2.5-7b.json",
+    "Qwen/Qwen3-30B-A3B": "recipes/configs/qwen3-30b-a3b.json",
 }
 """Hub model id -> its published config.json, copied into recipes/configs/: what `--dry_run` plans with when the
 hub cannot be reached and the config is not in the local cache (a real run always loads from_pretrained(id)).

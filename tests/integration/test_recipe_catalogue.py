@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from helpers import REPO, launch
-from zero_recipes.shipped import ARCHITECTURES, PIPELINE_PARALLEL, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from zero_recipes.shipped import ARCHITECTURES, EXPERT_PARALLEL, PIPELINE_PARALLEL, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
@@ -43,10 +43,12 @@ CATALOGUE = {
     "llama-3.1-70b-sft-pp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), pp=2),
     # long context: its SP8 stood in for by SP2 on the 2 ranks, its 64k rows by the SFT block below
     "llama-3.1-8b-sft-longctx-sp8.yaml": dict(data="longalign", nproc=2, stage=3, offload=(None, None), sp=2),
+    # a mixture of experts: its EP4 stood in for by EP2 on the 2 ranks
+    "qwen3-30b-a3b-sft-8x80gb.yaml": dict(data="smoltalk", nproc=2, stage=2, offload=(None, None), ep=2),
 }
 # the quick start's recipes: tiny-sft and tiny-lora-sft are trained by test_sft_training.py; tiny-llama is the embedded default
 # (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
-ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml", "tiny-longctx-sp2.yaml"}
+ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml", "tiny-longctx-sp2.yaml", "tiny-moe.yaml"}
 
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {
@@ -56,6 +58,7 @@ TINY = {
     ),
 }
 TINY["qwen2"] = TINY["mistral"] = TINY["llama"]
+TINY["qwen3_moe"] = dict(TINY["llama"], moe_intermediate_size=32)  # its 128 experts, 8 per token, as published
 BLOCK = {"text": 64, "sft": 128}
 
 
@@ -223,11 +226,12 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         "--max_eval_batches",
         "2",
     ]
-    tp, sp, pp = spec.get("tp", 1), spec.get("sp", 1), spec.get("pp", 1)
-    if tp > 1 or sp > 1 or pp > 1:  # the recipe's own fragments, its TP, SP or PP degree shrunk to the ranks here
+    tp, sp, pp, ep = spec.get("tp", 1), spec.get("sp", 1), spec.get("pp", 1), spec.get("ep", 1)
+    if tp > 1 or sp > 1 or pp > 1 or ep > 1:  # the recipe's own fragments, its TP/SP/PP/EP degree shrunk to the ranks
         shrunk = {"/tp": TENSOR_PARALLEL.get(tp), "/sp": SEQUENCE_PARALLEL.get(sp), "/pp": PIPELINE_PARALLEL.get(pp)}
+        shrunk["/ep"] = EXPERT_PARALLEL.get(ep)
         fragments = [next((small for key, small in shrunk.items() if key in f), f) for f in recipe["deepspeed"]]
-        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json, spN.json or ppN.json fragment to shrink"
+        assert fragments != recipe["deepspeed"], f"{name}: no tpN.json, spN.json, ppN.json or epN.json to shrink"
         args += ["--deepspeed", *fragments]
     launcher = "python" if spec["nproc"] == 1 else "deepspeed" if "multinode" in name else "forked"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
@@ -260,6 +264,9 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
     assert ds.get("tensor_parallel", {}).get("autotp_size", 1) == tp
     assert ds.get("sequence_parallel_size", 1) == sp
     assert ds.get("pipeline", {}).get("stages", 1) == pp
+    assert ds.get("expert_parallel", {}).get("autoep_size", 1) == ep
+    if ep > 1:
+        assert f"experts split {ep} ways" in run.log
     # and the rest of the run as shipped
     run_config = json.loads((run.output_dir / "run_config.json").read_text())
     for key in (
@@ -300,5 +307,14 @@ def test_tiny_long_context_recipe_trains_two_steps_on_two_ranks(tmp_path):
     run = launch(args, tmp_path / "run", nproc=2).check()
     assert "distributed: 2 ranks = 1 data-parallel x 2 sequence-parallel" in run.log
     assert "each rank trains 512 of every 1024 tokens" in run.log
+    assert len(run.losses) == 2 and all(math.isfinite(x) for x in run.losses)
+    assert [r for r in run.records if "eval_loss" in r]
+
+
+def test_tiny_moe_recipe_trains_two_steps_on_two_ranks(tmp_path):
+    """As shipped (the inline Mixtral, 8 experts top-2, ZeRO-2, the embedded corpus) but for 2 steps."""
+    args = ["--recipe", "recipes/tiny-moe.yaml", "--max_steps", "2", "--logging_steps", "1", "--max_eval_batches", "1"]
+    run = launch(args + ["--save_steps", "2", "--eval_steps", "2"], tmp_path / "run", nproc=2).check()
+    assert "active per token (8 experts, 2 per token, 4 of 4 layers sparse)" in run.log
     assert len(run.losses) == 2 and all(math.isfinite(x) for x in run.losses)
     assert [r for r in run.records if "eval_loss" in r]

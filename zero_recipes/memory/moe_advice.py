@@ -47,7 +47,7 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
     args = copy.copy(args)
     args.expert_parallel = None  # each cell's EP size is its own fragment's, not the flag's
     world = args.num_gpus * args.num_nodes
-    extra = [f for f in (args.deepspeed or []) if not _mesh_or_stage(f)]
+    extra = extra_fragments(cfg)
     cells, shape = [], ModelShape.of(config)
     gcs = (cfg.gradient_checkpointing,) if cfg.gradient_checkpointing else (False, True)
     for gc in gcs:
@@ -70,11 +70,12 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
     return {"cells": cells, "recommended": best}
 
 
-def _mesh_or_stage(path: str) -> bool:
+def extra_fragments(cfg) -> list[str]:
+    """The run's --deepspeed files (a recipe's or the command line's) but its ZeRO stage, offload and EP ones: what
+    every cell keeps (bf16.json, the user's own settings)."""
     from pathlib import Path
 
-    name = Path(path).name
-    return name.startswith(("zero", "ep", "offload", "nvme"))
+    return [f for f in (cfg.deepspeed or []) if not Path(f).name.startswith(("zero", "ep", "offload", "nvme"))]
 
 
 def command(best: dict, extra: list[str]) -> str:
