@@ -3,7 +3,8 @@ ranks, every allocation of the CPU allocator recorded per phase. Three launches,
 
 - Mixtral (8 experts, top-2) under ZeRO-2: every expert's weights, gradients and optimizer states, the router and
   the T*k routed rows through transformers' grouped experts (traced);
-- Qwen2-MoE (8 experts, top-2, a gated shared expert) under ZeRO-3: a layer's packed experts gathered at once;
+- Qwen2-MoE (8 experts, top-2, a gated shared expert) under ZeRO-3: a layer's packed experts gathered at once, and
+  every layer's kept by the backward (views saved by their matmuls);
 - the same Mixtral under ZeRO-2 + AutoEP's EP2: each rank holds 4 of every layer's 8 experts (the engine's count
   must equal the estimate's), the experts' states over their expert-data-parallel group of 1, the dense ones over
   both ranks, the step one optimizer group at a time, and the routed rows a rank's experts received. The probe
@@ -12,7 +13,7 @@ ranks, every allocation of the CPU allocator recorded per phase. Three launches,
 
 The bound: each rank's peak (the figure the estimate reports, the larger of forward/backward and the step) within
 the estimator's band (+10 % / -5 % less one low-precision copy of the rank's parameters, as
-test_memory_pipeline.py allows). Measured (docs/memory.md "Mixture of experts"): within +8.5 % / -8.4 %. ZeRO-2 runs
+test_memory_pipeline.py allows). Measured (docs/memory.md "Mixture of experts"): within +8.5 % / -1.5 %. ZeRO-2 runs
 with a 2M-element reduce bucket, so the model, not the 200 MB bucket of ds_configs/zero2.json, sets the peak. The
 estimate's arithmetic is tests/unit/test_memory_moe.py's."""
 

@@ -105,8 +105,15 @@ def test_zero3_gathers_a_whole_layer_of_experts_whatever_the_live_cap():
     cap = _bucket(small_cap["zero_optimization"], "stage3_max_live_parameters", 1e9) * 2
     by_phase = {k: mm_phase(e, k) for k in ("init", "forward", "forward_backward", "optimizer_step")}
     before = by_phase["forward_backward"].buffers
-    after = mm.adjust_phases(by_phase, s, 3, 4, cap, 4, 8, False)["forward_backward"].buffers
+    # with checkpointing: one layer's experts, whatever the cap (4 bytes x 2000 elements) lets DeepSpeed keep
+    after = mm.adjust_phases(by_phase, s, 3, 4, cap, 4, 8, False, True)["forward_backward"].buffers
     assert after - before == mm.gather_floor(s, 4) - 4 * cap
+    # without: the backward keeps every layer's gathered experts (views saved by their matmuls) and gathers the
+    # layer it is in again beside them
+    after = mm.adjust_phases(by_phase, s, 3, 4, cap, 4, 8, False, False)["forward_backward"].buffers
+    assert after - before == 4 * (2 * layer + layer) - 4 * cap
+    # the experts are whole on every rank when the expert-data-parallel group is 1 (ep = world): nothing gathered
+    assert mm.saved_gather_bytes(dataclasses.replace(s, ep=2), 4, 0, False) == 0
 
 
 def mm_phase(e, name):

@@ -187,6 +187,7 @@ def estimate(
             setup.load_bytes,
             0 if off_opt else setup.adam_temporaries,
             launch.accelerator == "gpu",
+            launch.gradient_checkpointing,
         )
         in_loss += moe_memory.ep_activation_bytes(
             model_config,
