@@ -25,6 +25,9 @@
     # PP2 x ZeRO-1 against ZeRO-1/2 on 2 ranks (tokens/s, per-rank peak, loss parity); the bubble against m
     python tools/benchmark.py pipeline                  # --quick: tiny model, ZeRO-1 and PP2 once; --gpu: bf16, 2 GPUs
 
+    # a mixture of experts under ZeRO-2, ZeRO-3 and ZeRO-2 + EP2 (AutoEP) on 2 ranks: tokens/s, per-rank peak, loss
+    python tools/benchmark.py moe                       # --quick: tiny Mixtral, 3 steps; --gpu: bf16, 2 GPUs
+
     # long context on 2 ranks: per-rank peak vs length for ZeRO-3, tiled loss, SP=2 and both; longest in a budget
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
@@ -46,6 +49,7 @@ from bench import (
     gpu,
     longctx,
     lora,
+    moe,
     parallel,
     pipeline,
     settings,
@@ -57,7 +61,21 @@ from bench import (
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    order = (data, export, estimator, estimator_public, speed, sft, settings, gpu, lora, parallel, pipeline, longctx)
+    order = (
+        data,
+        export,
+        estimator,
+        estimator_public,
+        speed,
+        sft,
+        settings,
+        gpu,
+        lora,
+        parallel,
+        pipeline,
+        moe,
+        longctx,
+    )
     for module in order:
         module.add_parsers(sub)
     args = parser.parse_args(argv)

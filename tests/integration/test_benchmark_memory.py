@@ -127,3 +127,16 @@ def test_export_benchmark_samples_the_memory_a_child_allocates():
     grew = busy["RssAnon"] - idle["RssAnon"]
     assert 280e6 <= grew <= 330e6, (idle, busy)
     assert busy["VmRSS"] >= busy["RssAnon"]
+
+
+def test_moe_benchmark_quick_measures_zero2_zero3_and_ep2_with_equal_losses(tmp_path):
+    report = run_quick("moe", tmp_path, timeout=300)
+    md = report.with_suffix(".md").read_text()
+    assert "active per token (4 experts, 2 per token" in md and "ds_configs/ep2.json" in md  # the GPU command
+    c = json.loads(report.read_text())["configs"]
+    assert list(c) == ["ZeRO-2", "ZeRO-3", "ZeRO-2 + EP2"]
+    assert "experts split 2 ways" in c["ZeRO-2 + EP2"]["distributed_line"]
+    for name, x in c.items():
+        assert x["tokens_per_sec"]["min"] > 0, name
+        assert len(x["peak_bytes_by_rank"]) == 2 and min(x["peak_bytes_by_rank"]) > 0, name
+        assert x["loss_parity"] and len(x["losses"]) == 3, (name, x["losses"])

@@ -41,9 +41,11 @@ CONFIGS: dict[str, tuple[int, tuple[str, ...], int]] = {
 }
 
 
-def launch(name: str, size: dict, steps: int, precision: str, out: Path, module: list[str]) -> list[str]:
+def launch(
+    name: str, size: dict, steps: int, precision: str, out: Path, module: list[str], configs: dict = CONFIGS
+) -> list[str]:
     """The full `deepspeed` command line of one configuration (module: ["train.py"] or the profiler's)."""
-    ranks, files, multiple = CONFIGS[name]
+    ranks, files, multiple = configs[name]
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), *module]
     cmd += ["--deepspeed", *files, *PRECISIONS[precision]]
     cmd += ["--max_steps", str(steps), "--block_size", str(size["block"])]
@@ -66,20 +68,20 @@ def read_run(out: Path, log: str) -> dict:
     }
 
 
-def timed_run(name: str, size: dict, precision: str, out: Path) -> dict:
-    cmd = launch(name, size, size["steps"], precision, out, ["train.py"])
+def timed_run(name: str, size: dict, precision: str, out: Path, configs: dict = CONFIGS) -> dict:
+    cmd = launch(name, size, size["steps"], precision, out, ["train.py"], configs)
     started = time.perf_counter()
     run = read_run(out, run_checked(cmd, None, 3600, f"{name}: {' '.join(cmd)}"))
     return {**run, "wall_seconds": time.perf_counter() - started}
 
 
-def profiled_run(name: str, size: dict, precision: str, out: Path) -> dict:
+def profiled_run(name: str, size: dict, precision: str, out: Path, configs: dict = CONFIGS) -> dict:
     """The same launch under the allocator profiler, every rank: its peaks (tokens/s slowed by the profiler)."""
     probe = out.with_name(out.name + "-probe")
     module = ["--module", "bench.profiled_train"]
-    cmd = launch(name, size, size["profiled_steps"], precision, out, module) + ["--probe_out", str(probe)]
+    cmd = launch(name, size, size["profiled_steps"], precision, out, module, configs) + ["--probe_out", str(probe)]
     run = read_run(out, run_checked(cmd, None, 3600, f"{name} (profiled): {' '.join(cmd)}"))
-    ranks = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(CONFIGS[name][0])]
+    ranks = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(configs[name][0])]
     return {**run, "ranks": ranks}
 
 
@@ -104,12 +106,12 @@ def max_loss_delta(run: dict, ref: dict) -> float:
     return max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
 
 
-def summarise(raw: dict, skip: int) -> dict:
+def summarise(raw: dict, skip: int, configs: dict = CONFIGS) -> dict:
     """Each configuration's figures. With no timed rounds (--quick) the profiled runs stand in as one round."""
     rounds = [r["runs"] for r in raw["rounds"]] or [raw["profiled"]]
     ratios = round_ratios(rounds, skip)
     out = {}
-    for name, (ranks, files, multiple) in CONFIGS.items():
+    for name, (ranks, files, multiple) in configs.items():
         runs = [r[name] for r in rounds]
         prof = raw["profiled"].get(name)
         checked = [(r[name], r[BASELINE]) for r in rounds] + ([(prof, raw["profiled"][BASELINE])] if prof else [])
@@ -169,13 +171,13 @@ def gpu_estimate(parameters: int, size: dict = SIZES["gpu"], link: float = 450e9
     }
 
 
-def measure(size: dict, precision: str, tmp: Path) -> dict:
-    names = list(CONFIGS)
+def measure(size: dict, precision: str, tmp: Path, configs: dict = CONFIGS) -> dict:
+    names = list(configs)
     raw = {"micro": size["micro"], "rounds": [], "profiled": {}}
     for i, order in enumerate(round_orders(names, size["rounds"])):
         runs = {}
         for name in order:
-            runs[name] = timed_run(name, size, precision, tmp / f"r{i}-{slug(name)}")
+            runs[name] = timed_run(name, size, precision, tmp / f"r{i}-{slug(name)}", configs)
             r = runs[name]
             print(
                 f"  round {i + 1}/{size['rounds']} {name}: {statistics.median(r['tokens_per_sec'][size['skip'] :]):,.0f}"
@@ -185,7 +187,7 @@ def measure(size: dict, precision: str, tmp: Path) -> dict:
         raw["rounds"].append({"order": order, "runs": {n: runs[n] for n in names}})
     if size["profiled_steps"]:
         for j, name in enumerate(names):
-            raw["profiled"][name] = profiled_run(name, size, precision, tmp / f"p-{slug(name)}")
+            raw["profiled"][name] = profiled_run(name, size, precision, tmp / f"p-{slug(name)}", configs)
             peaks = ", ".join(f"{r['peak_bytes'] / 2**20:,.0f}" for r in raw["profiled"][name]["ranks"])
             print(f"  {name} profiled: per-rank peak {peaks} MiB", flush=True)
     return raw
