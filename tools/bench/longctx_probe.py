@@ -25,7 +25,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from zero_recipes.memory.probe import allocator_events
+from zero_recipes.memory.probe import allocator_events, count_every_thread
 
 from .common import REPO
 from .profiled_train import instrument, peaks
@@ -139,6 +139,7 @@ def step_memory(steps: list[tuple], points: list[tuple[int, str]], mem: list[tup
 
 def main(argv: list[str]) -> int:
     argv, out = pop_flag(argv, "--probe_out")
+    count_every_thread()  # gloo's threads' frees counted (probe.allocator_events)
     train = runpy.run_path(str(REPO / "train.py"), run_name="longctx_probe")  # its imports and main()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -150,12 +151,12 @@ def main(argv: list[str]) -> int:
         code = train["main"](argv, instrument=instrument([]))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     events = prof.profiler.kineto_results.events()
-    marks, mem = allocator_events(events)
+    marks, mem = allocator_events(prof)
     steps = [m for m in marks if m[2] == "train_step"]
     result = {
         "rank": rank,
         "exit_code": code,
-        **peaks(events),
+        **peaks(prof),
         "steps": step_memory(steps, point_marks(events), mem),
     }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_recipes.memory.probe import allocator_events
+from zero_recipes.memory.probe import allocator_events, count_every_thread
 
 from .common import REPO
 from .profiled_train import instrument as profiled_instrument, peaks
@@ -134,9 +134,10 @@ def mark_gather(module) -> None:
     module.full_state_dict = marked
 
 
-def gather_peak(events) -> int:
+def gather_peak(prof) -> int:
     """Peak live bytes within the GATHER ranges."""
-    _, mem = allocator_events(events)
+    _, mem = allocator_events(prof)
+    events = prof.profiler.kineto_results.events()
     spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == GATHER]
     live = peak = 0
     for t, nbytes in mem:
@@ -166,6 +167,7 @@ def main(argv: list[str]) -> int:
     argv, out = pop_flag(argv, "--probe_out")
     argv, memory = pop_flag(argv, "--profile_memory", "false")
     memory = memory == "true"
+    count_every_thread()  # gloo's threads' frees counted (probe.allocator_events)
     train = runpy.run_path(str(REPO / "train.py"), run_name="pipeline_probe")  # its imports and main()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -180,8 +182,7 @@ def main(argv: list[str]) -> int:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     result = {"rank": rank, **seen, "exit_code": code, "steps": steps}
     if memory:
-        events = prof.profiler.kineto_results.events()
-        result.update(peaks(events), export_gather_peak_bytes=gather_peak(events))
+        result.update(peaks(prof), export_gather_peak_bytes=gather_peak(prof))
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")
     metrics.close_open_logs()
     distributed.finish(code)  # as train.py ends: barrier, then os._exit

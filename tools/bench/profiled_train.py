@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_recipes.memory.probe import allocator_events
+from zero_recipes.memory.probe import allocator_events, count_every_thread
 
 from .common import REPO
 from .workload import pop_flag
@@ -28,9 +28,9 @@ from .workload import pop_flag
 PHASES = ("train_step", "save")
 
 
-def peaks(events) -> dict:
-    """Peak live bytes over the whole run and within each marked phase, from the profiler's events."""
-    marks, mem = allocator_events(events)
+def peaks(prof) -> dict:
+    """Peak live bytes over the whole run and within each marked phase, from the profiler's run."""
+    marks, mem = allocator_events(prof)
     live, overall, by_phase, i = 0, 0, dict.fromkeys(PHASES, 0), 0
     for t, nbytes in mem:
         live += nbytes
@@ -92,6 +92,7 @@ def instrument(save_seconds: list):
 
 def main(argv: list[str]) -> int:
     argv, out = pop_flag(argv, "--probe_out")
+    count_every_thread()  # gloo's threads' frees counted (probe.allocator_events)
     train = runpy.run_path(str(REPO / "train.py"), run_name="profiled_train")  # its imports and main()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
         "rank": rank,
         "exit_code": code,
         "save_seconds": save_seconds,
-        **peaks(prof.profiler.kineto_results.events()),
+        **peaks(prof),
     }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")
     metrics.close_open_logs()

@@ -39,8 +39,7 @@ STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady st
 
 def timeline(prof) -> dict:
     """Peak live bytes per phase, and the live bytes after init and after the last step."""
-    events = prof.profiler.kineto_results.events()
-    marks, mem = allocator_events(events)
+    marks, mem = allocator_events(prof)
     live, peak, after_init = 0, dict.fromkeys(PHASES, 0), None
     starts = [start for start, _, _ in marks]
     i = 0
@@ -65,20 +64,58 @@ def phase_at(marks: list, starts: list, t: int):
     return marks[i][2] if i >= 0 and marks[i][1] >= t else None
 
 
-def allocator_events(events) -> tuple[list, list]:
-    """torch.profiler's events (profile_memory=True) as (marks, allocations), both in time order: marks are
+def allocator_events(prof) -> tuple[list, list]:
+    """A torch.profiler run (profile_memory=True) as (marks, allocations), both in time order: marks are
     (start_ns, end_ns, name) of the record_function("phase:NAME") ranges, allocations (time_ns, bytes) of the
-    CPU allocator, positive for an allocation and negative for a free, so their running sum is the live bytes.
-    This probe and tools/bench/profiled_train.py both read their runs this way."""
+    CPU allocator, positive for an allocation and negative for a free, so their running sum is the live bytes
+    since the profile began. The bytes are the differences of the allocator's own global count
+    (`total_allocated` of each allocation event), not the events' sizes: the profiler records only the threads
+    it was started on, and gloo frees its collectives' copies (`_reduce_scatter_base`'s clone, all-gather
+    buffers) on its own worker threads, so summing sizes missed those frees at random and inflated ZeRO-3's
+    measured peaks by up to 25 % from one launch to the next. Under `count_every_thread` the global count sees
+    every thread. This probe and the benchmarks' (tools/bench) read their runs this way."""
+    events = prof.profiler.kineto_results.events()
     marks = sorted(
         (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase:") :])
         for e in events
         if e.name().startswith("phase:")
     )
-    mem = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    counts = sorted(
+        (node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size)
+        for node in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation" and node.extra_fields.device.type == "cpu"
     )
+    mem, before = [], None
+    for t, total, size in counts:
+        before = total - size if before is None else before  # live when the profile began: the baseline
+        mem.append((t, total - before))
+        before = total
     return marks, mem
+
+
+def _walk(roots):
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        yield node
+
+
+def count_every_thread() -> None:
+    """Make the CPU allocator count every thread's allocations and frees in its global total, which the
+    profiler's allocation events carry (c10's ProfiledCPUMemoryReporter updates it for a profiled thread only,
+    unless FLAGS_caffe2_report_cpu_memory_usage is set; torch has no Python switch for it, so it is set in
+    libc10 directly). Call it before the tensors to be measured exist; a tensor made before it and freed after
+    is not subtracted (c10 warns once per thousand)."""
+    import ctypes
+
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib" / "libc10.so"
+    try:
+        ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    except (OSError, ValueError) as e:  # another build of torch: the profiled threads' count, as before
+        print(f"memory probe: frees on gloo's threads are not counted ({e})", file=sys.stderr)
 
 
 def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
@@ -97,10 +134,11 @@ def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int
             p.register_post_accumulate_grad_hook(_to_deepspeed)
     ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
     forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
+    count_every_thread()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         forward(model, ids).backward()
     live = peak = 0
-    for _, nbytes in allocator_events(prof.profiler.kineto_results.events())[1]:
+    for _, nbytes in allocator_events(prof)[1]:
         live += nbytes
         peak = max(peak, live)
     return peak
@@ -121,6 +159,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
+    count_every_thread()
     out = argv[argv.index("--probe_out") + 1]
     argv = [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
     plan = RunPlan.from_args(argv + ["--max_steps", str(STEPS)]).complete(STEPS)  # as train.py resolves it
