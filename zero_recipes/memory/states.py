@@ -125,12 +125,13 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         host = dict.fromkeys(total, 0.0)
     elif s.stage in (1, 2) and not off_opt:
         steady = p + 12 / N  # low-precision params, fp32 master + Adam partitions
-        # measured, not in the paper: ZeRO-2 on several ranks holds ~1 B/param more (reduce-scatter staging)
+        # measured, not in the paper: ZeRO-2's backward on several ranks holds ~1 B/param more (gloo's
+        # reduce-scatter clones its input); freed by the step (it once seemed to stay: frees on gloo's threads
+        # the probe did not see, probe.allocator_events)
         staging = 1.0 if s.stage == 2 and N > 1 else 0.0
-        steady += staging
         grads = p + p / N if s.stage == 1 else p / N  # ZeRO-1 keeps full grads until the step
         # ZeRO-2: the grad of the param in flight (reduced, then copied into the partition) and the bucket
-        extra = 0 if s.stage == 1 else 2 * p * f + bucket
+        extra = 0 if s.stage == 1 else 2 * p * f + bucket + staging
         total = {
             "steady": steady,
             "forward_backward": steady + grads + extra,
@@ -140,9 +141,9 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
             "init": 4 + p + 4 / N,
         }
         states = {
-            "steady": steady - staging,
-            "forward_backward": steady - staging + grads,
-            "optimizer_step": steady - staging + (p + 4) / N,
+            "steady": steady,
+            "forward_backward": steady + grads,
+            "optimizer_step": steady + (p + 4) / N,
             "init": 4 + 4 / N,
         }
         host = dict.fromkeys(total, 0.0)
@@ -167,11 +168,11 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         # where it was measured, device and host are one pool, so this split is reasoned, not GPU-measured.
         host = {k: (total[k] - 2 * p if k == "init" else 16 / N + PINNED_STAGING_12) for k in total}
     else:
-        # ZeRO-3. Measured: what stays gathered between steps plus the sub-group gradient buffer,
-        # ~(1.2p + 0.3) B per parameter, capped like the gathered params (max_live_parameters +
-        # sub_group_size); on one rank nothing is gathered and only ~0.34p remains.
+        # ZeRO-3. Between steps only the partitions stay (measured on 2 ranks, every allocator thread
+        # counted: within 0.02 B/param of them; the ~(1.2p + 0.3) B/param once measured here were frees on
+        # gloo's threads the probe did not see, probe.allocator_events); on one rank ~0.34p remains.
         sub_group = _bucket(s.zero, "sub_group_size", 1e9)
-        resident = (1.2 * p + 0.3) * min(1.0, (cap + sub_group) / P) if N > 1 else 0.34 * p
+        resident = 0.0 if N > 1 else 0.34 * p
         gathered = p * min(1 - 1 / N, cap / P)  # forward/backward: the other ranks' shards, up to the cap
         part = (2 * p + 12) / N  # params, grads, master, Adam: all partitioned
         if off_opt:
@@ -360,10 +361,9 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
     extra = gathered(P) - gathered(s.trainable)  # the frozen part of what a forward gathers
     part = p * F / N  # zero/partition_parameters.py `Init`: partitioned like every parameter
     dev_part, host_part = (0.0, part) if off_par else (part, 0.0)
-    # CPU, measured on several ranks: ~1.2p B/param of gathered parameters stay between steps (the part of the
-    # full fine-tuning term that is parameters; its 0.3 B is the gradient buffer, trainable only). On one rank
-    # nothing is gathered (measured: the frozen base adds p alone).
-    resident = 1.2 * p * F * min(1.0, (cap + _bucket(s.zero, "sub_group_size", 1e9)) / P) if cpu and N > 1 else 0.0
+    # Between steps only the partitions stay, as in full fine-tuning (cpu_phases; the ~1.2p B/param once measured
+    # here on several ranks were frees on gloo's threads the probe did not see).
+    resident = 0.0
     steady = PhaseBytes(int(dev_part), int(resident), int(host_part))
     moving = PhaseBytes(int(dev_part), int(resident + extra), int(host_part))
     # init: the partition plus the state dict being copied in (on the host on a GPU), and the parameter
