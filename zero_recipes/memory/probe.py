@@ -7,10 +7,11 @@ probe the memory estimate is checked against.
 
 It takes train.py's flags and builds the model and engine with the same code (zero_recipes.model,
 zero_recipes.lora, zero_recipes.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
-torch.profiler with profile_memory. Every allocation and free of the CPU allocator is an event, so the
-live bytes at each moment are their running sum: exact for torch tensors (DeepSpeed's flat buffers, its
-C++ Adam's states and gloo's staging tensors included), blind to non-torch memory (the Python heap,
-libraries). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
+torch.profiler with profile_memory. Each allocation and free of the CPU allocator on a profiled thread is
+an event carrying the allocator's global count of live bytes, which, with `count_every_thread`, includes every
+thread's allocations and frees (gloo's worker threads free its collectives' copies): exact for torch tensors
+(DeepSpeed's flat buffers, its C++ Adam's states and gloo's staging tensors included), blind to non-torch
+memory (the Python heap, libraries, a checkpoint's memory-mapped file). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
 host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
 
 Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step. Under
