@@ -82,12 +82,20 @@ def allocator_events(prof) -> tuple[list, list]:
         if e.name().startswith("phase:")
     )
     counts = sorted(
-        (node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size)
+        (node.start_time_ns, f.alloc_size, f.total_allocated, f.total_reserved, f.ptr)
         for node in _walk(prof.profiler.kineto_results.experimental_event_tree())
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation" and node.extra_fields.device.type == "cpu"
+        if type(f := node.extra_fields).__name__ == "_ExtraFields_Allocation" and f.device.type == "cpu"
     )
-    mem, before = [], None
-    for t, total, size in counts:
+    # Two kinds of events: the default CPU allocator's (c10's ProfiledCPUMemoryReporter: its global count, no
+    # reserved bytes) and those of another allocator that reports to the profiler (transformers' checkpoint load
+    # arrives as one such block, reserved bytes and a count of 0, its free a 0 and 0), whose sizes are summed as
+    # before: told apart by the block's address.
+    mem, before, foreign = [], None, set()
+    for t, size, total, reserved, ptr in counts:
+        if (size > 0 and reserved) or (size < 0 and ptr in foreign):
+            (foreign.add if size > 0 else foreign.discard)(ptr)
+            mem.append((t, size))
+            continue
         before = total - size if before is None else before  # live when the profile began: the baseline
         mem.append((t, total - before))
         before = total
