@@ -140,16 +140,19 @@ def test_a_free_on_another_thread_is_counted():
     from zero_recipes.memory.probe import count_every_thread
 
     mib = 2**20
-    count_every_thread()
+    was = count_every_thread()
     held = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        held.append(torch.empty(8 * mib, dtype=torch.uint8))
-        worker = threading.Thread(target=held.clear)  # the last reference dropped on another thread
-        worker.start()
-        worker.join()
-        with record_function("phase:train_step"):
-            after = torch.empty(1 * mib, dtype=torch.uint8)
-        del after
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            held.append(torch.empty(8 * mib, dtype=torch.uint8))
+            worker = threading.Thread(target=held.clear)  # the last reference dropped on another thread
+            worker.start()
+            worker.join()
+            with record_function("phase:train_step"):
+                after = torch.empty(1 * mib, dtype=torch.uint8)
+            del after
+    finally:
+        count_every_thread(was)
     p = peaks(prof)
     assert p["phase_peak_bytes"]["train_step"] == 1 * mib
     assert p["peak_bytes"] == 8 * mib and p["end_bytes"] == 0

@@ -110,21 +110,25 @@ def _walk(roots):
         yield node
 
 
-def count_every_thread() -> None:
+def count_every_thread(on: bool = True) -> bool:
     """Make the CPU allocator count every thread's allocations and frees in its global total, which the
     profiler's allocation events carry (c10's ProfiledCPUMemoryReporter updates it for a profiled thread only,
     unless FLAGS_caffe2_report_cpu_memory_usage is set; torch has no Python switch for it, so it is set in
     libc10 directly). Call it before the tensors to be measured exist; a tensor made before it and freed after
-    is not subtracted (c10 warns once per thousand)."""
+    is not subtracted (c10 warns once per thousand). Returns the setting it replaced, so that a measurement
+    inside a longer process (a test worker) can put it back: with it on, every allocation takes c10's lock."""
     import ctypes
 
     import torch
 
     lib = Path(torch.__file__).parent / "lib" / "libc10.so"
     try:
-        ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage").value = True
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
     except (OSError, ValueError) as e:  # another build of torch: the profiled threads' count, as before
         print(f"memory probe: frees on gloo's threads are not counted ({e})", file=sys.stderr)
+        return False
+    before, flag.value = flag.value, on
+    return before
 
 
 def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int:
@@ -143,9 +147,12 @@ def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int
             p.register_post_accumulate_grad_hook(_to_deepspeed)
     ids = torch.randint(0, config.get_text_config().vocab_size, (micro, seq))
     forward = forward or (lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss)
-    count_every_thread()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        forward(model, ids).backward()
+    was = count_every_thread()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            forward(model, ids).backward()
+    finally:
+        count_every_thread(was)
     live = peak = 0
     for _, nbytes in allocator_events(prof)[1]:
         live += nbytes
