@@ -11,8 +11,9 @@ torch.profiler with profile_memory. Each allocation and free of the CPU allocato
 an event carrying the allocator's global count of live bytes, which, with `count_every_thread`, includes every
 thread's allocations and frees (gloo's worker threads free its collectives' copies): exact for torch tensors
 (DeepSpeed's flat buffers, its C++ Adam's states and gloo's staging tensors included), blind to non-torch
-memory (the Python heap, libraries, a checkpoint's memory-mapped file). On the CPU accelerator "device" and host memory are one pool, so the figure is device plus
-host; tools/bench/estimator.py compares it with the estimate's per-GPU plus per-rank host bytes.
+memory (the Python heap, libraries, a checkpoint's memory-mapped file). On the CPU accelerator "device" and host
+memory are one pool, so the figure is device plus host; tools/bench/estimator.py compares it with the estimate's
+per-GPU plus per-rank host bytes.
 
 Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step. Under
 pipeline parallelism (`"pipeline": {"stages": N}`) each rank runs its stage as train.py does (DeepSpeed's

@@ -363,9 +363,8 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
     dev_part, host_part = (0.0, part) if off_par else (part, 0.0)
     # Between steps only the partitions stay, as in full fine-tuning (cpu_phases; the ~1.2p B/param once measured
     # here on several ranks were frees on gloo's threads the probe did not see).
-    resident = 0.0
-    steady = PhaseBytes(int(dev_part), int(resident), int(host_part))
-    moving = PhaseBytes(int(dev_part), int(resident + extra), int(host_part))
+    steady = PhaseBytes(int(dev_part), 0, int(host_part))
+    moving = PhaseBytes(int(dev_part), int(extra), int(host_part))
     # init: the partition plus the state dict being copied in (on the host on a GPU), and the parameter
     # `GatheredParameters` gathers whole to copy its entry into with a temporary of its size, at most the
     # largest (measured: +2 x 16.4 MB while a 16.4 MB embedding loads)
