@@ -118,14 +118,28 @@ class TrainConfig:
     """Tokens per training sequence. SFT examples longer than this are dropped, and counted in the log."""
     validation_split_percentage: float = 5.0
     """Percent of documents held out for eval loss (and SFT exact-match) when `eval_split` is unset."""
+    fix_text: bool = False
+    """Cleaning, first of all: repair mojibake (UTF-8 read as cp1252/latin-1), HTML entities, terminal escapes
+    and broken line breaks with ftfy. Every string of an SFT example is repaired."""
     strip_html: bool = False
     """Cleaning (`text` format): remove HTML tags and decode entities."""
     normalize_whitespace: bool = False
     """Cleaning (`text` format): collapse runs of spaces/tabs and of blank lines, strip the ends."""
+    drop_garbled: bool = False
+    """Cleaning: drop documents (or SFT examples) of text no language produces: over 1 % replacement,
+    control or private-use characters, under half letters and digits, or mojibake left after --fix_text."""
+    quality_filter: str = "none"
+    """Cleaning (`text` format): `gopher` drops documents that fail the Gopher quality and repetition rules
+    (datatrove's), judged in characters for scripts written without spaces (Chinese, Japanese, Thai)."""
     min_document_tokens: int = 0
     """Cleaning: drop documents (or SFT examples) shorter than this many tokens; 1 drops empty ones."""
-    dedupe: bool = False
-    """Cleaning: drop exact duplicates (by hash of the text, or of the whole SFT example)."""
+    dedupe: str = "none"
+    """Cleaning: `exact` (or true) drops exact duplicates (by hash of the text, or of the whole SFT
+    example); `near` drops near-duplicates by MinHash-LSH over 5-word shingles (5 characters for CJK).
+    Needs the whole dataset, so not with --streaming: clean the files once with tools/clean_data.py."""
+    dedupe_threshold: float = 0.7
+    """`--dedupe near`: documents whose shingle sets' estimated Jaccard similarity is at least this are
+    duplicates; of each group the first is kept."""
     preprocessing_num_workers: Optional[int] = None
     """Processes for tokenisation (`datasets.map(num_proc=...)`). Unset: one per core, at most 8. Small
     datasets get fewer (one per 2000 examples), since a process costs more than it saves there."""
@@ -199,6 +213,11 @@ class TrainConfig:
     local_rank: int = -1
     """Set by the `deepspeed` launcher; the rank is read from the environment."""
 
+    def __post_init__(self):
+        # options that were bools once: normalised here so every reader sees one of their choices
+        self.dedupe = choice("dedupe", self.dedupe, DEDUPE_MODES, on="exact")
+        self.quality_filter = choice("quality_filter", self.quality_filter, QUALITY_FILTERS, on="gopher")
+
 
 # Fields that steer this launch only; they do not make a different run (see run_dir.check_output_dir).
 # output_dir is among them so that a run directory can be moved or copied and still resume.
@@ -229,6 +248,19 @@ RUN_CONTROL_FIELDS = {
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 TRACKERS = ("tensorboard", "wandb")  # what `report_to` can name, besides "all" and "none"
+
+
+DEDUPE_MODES = ("none", "exact", "near")
+QUALITY_FILTERS = ("none", "gopher")
+
+
+def choice(name: str, value, choices, on: str) -> str:
+    """A choice option that was a bool once: true means `on`, false `none`, else one of `choices`."""
+    text = str(value).strip().lower()
+    picked = {"true": on, "yes": on, "1": on, "false": "none", "no": "none", "0": "none"}.get(text, text)
+    if picked not in choices:
+        raise unknown_choice_error(name, value, choices)
+    return picked
 
 
 def unknown_choice_error(name: str, value: str, choices) -> ConfigError:
@@ -275,8 +307,7 @@ def validate(cfg: TrainConfig) -> None:
             raise unknown_choice_error("report_to", target, (*TRACKERS, "all", "none"))
     if cfg.streaming and cfg.max_steps <= 0:
         raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
-    if cfg.min_document_tokens < 0:
-        raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
+    validate_cleaning(cfg)
     if cfg.loss_tile_tokens < 0:
         raise ConfigError(f"--loss_tile_tokens must be >= 0 (0: sized automatically), got {cfg.loss_tile_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
@@ -284,6 +315,14 @@ def validate(cfg: TrainConfig) -> None:
     lora_options.validate_options(cfg)
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
+
+
+def validate_cleaning(cfg: TrainConfig) -> None:
+    """The cleaning options' ranges (their choices are checked when a TrainConfig is made)."""
+    if not 0 < cfg.dedupe_threshold < 1:
+        raise ConfigError(f"--dedupe_threshold must be between 0 and 1 (exclusive), got {cfg.dedupe_threshold}")
+    if cfg.min_document_tokens < 0:
+        raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
 
 
 def parse_inline_or_file(name: str, value: Any) -> Any:

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from zero_recipes import data
-from zero_recipes.config import TrainConfig
+from zero_recipes.config import DEDUPE_MODES, QUALITY_FILTERS, TrainConfig
 from zero_recipes.data import options, pipeline
 
 TEXTS = [f"Document number {i} says: " + " ".join(f"word{j}" for j in range(i % 13 + 3)) for i in range(60)]
@@ -108,6 +108,10 @@ def option_fields(opts):
 def another(name, value):
     if name == "format":
         return "text" if value != "text" else "auto"
+    if name in ("dedupe", "quality_filter"):  # choices: another one of them
+        return next(c for c in (DEDUPE_MODES if name == "dedupe" else QUALITY_FILTERS) if c != value)
+    if name == "dedupe_threshold":
+        return value / 2
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):

@@ -8,15 +8,12 @@ with the fast tokenizer's offsets, so the prompt/answer boundary is exact whatev
 
 from __future__ import annotations
 
-import hashlib
-import html
-import json
-import re
 from itertools import chain
 
 import numpy as np
 
 from ..errors import ConfigError
+from . import cleaning
 from .options import TokenizeOptions
 
 REQUIRED_COLUMNS = {
@@ -25,6 +22,15 @@ REQUIRED_COLUMNS = {
     "alpaca": ("instruction", "output"),
     "messages": ("messages",),
 }
+# the columns whose words an SFT example is made of (what cleaning judges and compares)
+CONTENT_COLUMNS = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output")}
+CONTENT_COLUMNS["messages"] = REQUIRED_COLUMNS["messages"]
+
+
+def content_text(fmt: str, row: dict) -> str:
+    return cleaning.example_text({c: row[c] for c in CONTENT_COLUMNS[fmt] if c in row})
+
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # Used when the tokenizer has no chat template (the embedded one has none). ChatML layout, in plain text
@@ -74,26 +80,6 @@ def ensure_chat_template(tok, log) -> None:
     if not getattr(tok, "chat_template", None):
         tok.chat_template = DEFAULT_CHAT_TEMPLATE
         log("data: the tokenizer has no chat template; using the default ChatML-style template (see docs/data.md)")
-
-
-# ---- cleaning (text format) ------------------------------------------------------------------------
-
-_TAGS = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]+>", re.S | re.I)
-_SPACES = re.compile(r"[ \t\f\v\r]+")
-_BLANKS = re.compile(r"\n\s*\n+")
-
-
-def strip_html(text: str) -> str:
-    return html.unescape(_TAGS.sub(" ", text)) if "<" in text or "&" in text else text
-
-
-def normalize_whitespace(text: str) -> str:
-    return _BLANKS.sub("\n\n", _SPACES.sub(" ", text).replace(" \n", "\n").replace("\n ", "\n")).strip()
-
-
-def content_hash(value) -> int:
-    data = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") >> 1
 
 
 # ---- rendering SFT examples to text and trainable character spans --------------------------------------
@@ -177,6 +163,7 @@ class Tokenize:
         if opts.format not in REQUIRED_COLUMNS:  # "auto" is not a format to tokenise with
             raise ValueError(f"Tokenize needs a detected format, got {opts.format!r}; see DataOptions.resolved")
         self.tok, self.opts, self.fmt = tok, opts, opts.format
+        self.cleaner = cleaning.Cleaner(opts)
 
     def _encode(self, texts) -> list[list[int]]:
         # encode_batch_fast skips the character offsets that only SFT masking needs (about 1.8x faster here)
@@ -193,13 +180,7 @@ class Tokenize:
         eos = self.tok.eos_token_id
         out = {}
         texts = [_str(t) for t in batch[self.opts.text_column]]
-        opts = self.opts
-        for step, fn in (
-            ("html", strip_html if opts.strip_html else None),
-            ("whitespace", normalize_whitespace if opts.normalize_whitespace else None),
-        ):
-            if fn is None:
-                continue
+        for step, fn in self.cleaner.edits:
             cleaned = [fn(t) for t in texts]
             changed = [i for i, (a, b) in enumerate(zip(texts, cleaned)) if a != b]
             removed = np.zeros(len(texts), dtype=np.int64)
@@ -215,13 +196,20 @@ class Tokenize:
             chain.from_iterable(chain.from_iterable((x, (eos,)) for x in ids)), dtype=np.int32, count=int(lengths.sum())
         )
         out.update(ids=flat, lengths=lengths)
-        if self.opts.dedupe:
-            out["hash"] = np.array([content_hash(t) for t in texts], dtype=np.int64)
+        out.update(self.flat_judgements(texts, texts))
+        return out
+
+    def flat_judgements(self, texts, contents) -> dict:
+        out = self.cleaner.judge(texts, contents)
+        if "minhash" in out:  # one flat array per batch, like the ids
+            out["minhash"] = out["minhash"].reshape(-1)
         return out
 
     def sft(self, batch, indices) -> dict:
         eos = self.tok.eos_token_id
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        if self.opts.fix_text:
+            rows = [cleaning.fix_strings(row) for row in rows]
         rendered = [render(self.fmt, row, self.tok, i + 1) for row, i in zip(rows, indices)]
         special = self.fmt != "messages"  # chat templates write their own BOS; plain prompts get the tokenizer's
         enc = self.tok(
@@ -246,15 +234,15 @@ class Tokenize:
             "lengths": np.array([len(x) for x in all_ids], dtype=np.int64),
             "mask": np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
         }
-        if self.opts.dedupe:
-            out["hash"] = np.array([content_hash(row) for row in rows], dtype=np.int64)
+        out.update(self.flat_judgements([content_text(self.fmt, row) for row in rows], rows))
         return out
 
 
 def split_examples(out: dict):
-    """Undo the flat layout of one Tokenize row: yields (ids, mask or None) per example."""
+    """Undo the flat layout of one Tokenize row: yields (ids, mask or None, drop reason or '') per example."""
     ids, lengths, mask = out["ids"], out["lengths"], out.get("mask")
+    drop = out.get("drop") or [""] * len(lengths)
     at = 0
-    for n in lengths:
-        yield ids[at : at + n], (None if mask is None else mask[at : at + n])
+    for n, why in zip(lengths, drop):
+        yield ids[at : at + n], (None if mask is None else mask[at : at + n]), why
         at += n

@@ -23,9 +23,12 @@ class TokenizeOptions:
     format: str  # as configured ("auto" allowed) until `DataOptions.resolved` gives the detected one
     text_column: str
     train_on_prompt: bool
+    fix_text: bool
     strip_html: bool
     normalize_whitespace: bool
-    dedupe: bool
+    drop_garbled: bool
+    quality_filter: str
+    dedupe: str  # none | exact | near: exact adds a hash per example, near a MinHash signature
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class DataOptions:
     block_size: int
     packing: bool
     min_document_tokens: int
+    dedupe_threshold: float  # read when the signatures are matched, so tokenisation's cache ignores it
     validation_split_percentage: float
     seed: int
 

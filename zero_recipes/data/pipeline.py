@@ -17,12 +17,12 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError
-from . import formats, packing, sources
+from . import dedupe, formats, packing, sources
 from .cache import cache_root, digest, publish, tokenizer_fingerprint
 from .options import DataOptions
 from .order import Mixture
 
-DATA_FORMAT_VERSION = "4"  # bump when the cached layout or the rendering changes
+DATA_FORMAT_VERSION = "5"  # bump when the cached layout or the rendering changes
 
 
 @dataclass
@@ -152,9 +152,27 @@ class Tokenized:
         self.mask = flat(ds, "mask", np.uint8) if sft else None
         self.extra = {
             name: flat(ds, name, np.int64)
-            for name in ("removed_html", "removed_whitespace", "hash")
+            for name in ("removed_fix_text", "removed_html", "removed_whitespace", "hash")
             if name in ds.column_names
         }
+        self.drop = np.asarray(flat_strings(ds, "drop"), dtype=object) if "drop" in ds.column_names else None
+        self.minhash = (
+            flat(ds, "minhash", np.uint32).reshape(len(self.lengths), -1) if "minhash" in ds.column_names else None
+        )
+
+
+def flat_strings(ds, name) -> list[str]:
+    return column(ds, name).combine_chunks().flatten().to_pylist() if len(ds) else []
+
+
+def check_cleaning(opts, name: str) -> None:
+    """What cleaning refuses once the format is known."""
+    if opts.quality_filter != "none" and opts.format != "text":
+        raise ConfigError(
+            f"--quality_filter {opts.quality_filter} judges web documents, and dataset '{name}' is "
+            f"{opts.format} (SFT): its rules (50+ words, stop words) would drop most short answers; "
+            "use --drop_garbled and --dedupe for SFT data"
+        )
 
 
 def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
@@ -168,6 +186,7 @@ def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
     opts = opts.resolved(fmt)
+    check_cleaning(opts.tokenize, spec.name)
     tk = tokenize(cfg, ds, opts, tok, "tokenising")
     report = {"documents": len(tk.lengths)}
     kept = np.flatnonzero(select(tk, opts, spec.name, report))
@@ -208,7 +227,7 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     short, duplicate and (SFT) over-long examples are dropped and counted there."""
     fmt, block, lengths = opts.tokenize.format, opts.block_size, tk.lengths
     keep = np.ones(len(lengths), dtype=bool)
-    for step in ("html", "whitespace"):
+    for step in ("fix_text", "html", "whitespace"):
         if f"removed_{step}" in tk.extra:
             removed = tk.extra[f"removed_{step}"]
             report[f"cleaning {step}"] = {
@@ -222,17 +241,23 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
         report[what] = {"documents": int(bad.sum()), "tokens": int(lengths[bad].sum())}
         keep[bad] = False
 
+    if tk.drop is not None:  # garbled and quality verdicts, made per document while tokenising
+        for why in sorted(set(tk.drop) - {""}):
+            drop(why, tk.drop == why)
     if fmt != "text":  # every example has >= 1 token (its EOS), so reduceat sees no empty segment
         drop("no answer tokens", np.add.reduceat(tk.mask.astype(np.int64), tk.starts) == 0)
     if opts.min_document_tokens:
         drop(f"shorter than {opts.min_document_tokens} tokens", lengths - 1 < opts.min_document_tokens)  # EOS aside
-    if opts.tokenize.dedupe:
-        hashes = tk.extra["hash"]
-        first = np.zeros(len(hashes), dtype=bool)
+    if opts.tokenize.dedupe != "none":
         candidates = np.flatnonzero(keep)
-        _, idx = np.unique(hashes[candidates], return_index=True)
-        first[candidates[idx]] = True
-        drop("exact duplicates", ~first)
+        if opts.tokenize.dedupe == "exact":
+            what, matched = "exact duplicates", dedupe.exact(tk.extra["hash"][candidates])
+        else:
+            what = f"near duplicates (similarity >= {opts.dedupe_threshold})"
+            matched = dedupe.near(tk.minhash[candidates], opts.dedupe_threshold)
+        repeated = np.zeros(len(keep), dtype=bool)
+        repeated[candidates[matched >= 0]] = True
+        drop(what, repeated)
     if fmt != "text":
         too_long = (lengths > block) & keep
         if keep.any() and too_long.sum() == keep.sum():

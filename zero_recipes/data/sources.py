@@ -252,6 +252,12 @@ def diagnose_file(path: Path, builder: str) -> None:
     if builder not in ("json", "csv", "text"):
         return
     with path.open("rb") as f:
+        if b"\0" in f.read(8192):  # no text encoding but UTF-16/32 has NUL bytes, and those need a BOM to read
+            raise ConfigError(
+                f"{path} is a binary file (NUL bytes in its first 8 KB), not {builder} text; give the dataset "
+                "as UTF-8 .jsonl, .json, .csv or .txt, or as .parquet"
+            )
+        f.seek(0)
         head = f.read(1)
         f.seek(0)
         for lineno, raw in enumerate(f, 1):

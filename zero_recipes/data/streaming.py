@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError
 from . import formats, packing, sources
 from .options import DataOptions
-from .pipeline import Prepared
+from .pipeline import Prepared, check_cleaning
 
 CHUNK = 256  # examples tokenised per call
 
@@ -23,8 +23,11 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     specs = sources.dataset_specs(cfg)
     if len(specs) != 1:
         raise ConfigError("--streaming reads one dataset; mix datasets without --streaming, or pre-mix the files")
-    if cfg.dedupe:
-        raise ConfigError("--dedupe needs the whole dataset; it does not work with --streaming")
+    if cfg.dedupe != "none":
+        raise ConfigError(
+            f"--dedupe {cfg.dedupe} needs the whole dataset, which --streaming never holds; clean the files once "
+            "with tools/clean_data.py (same options) and stream its output"
+        )
     spec = specs[0]
     source = sources.describe(spec, cfg)
     head = sources.load(spec, source, spec.split, streaming=True, trust_remote_code=cfg.trust_remote_code)
@@ -32,6 +35,7 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     opts = DataOptions.from_config(cfg, spec)
     fmt, how = formats.detect_format(opts.tokenize.format, columns, opts.tokenize.text_column, spec.name)
     opts = opts.resolved(fmt)  # dedupe is off: refused above
+    check_cleaning(opts.tokenize, spec.name)
     log(f"data: {spec.name}: {how}; streaming, sharded over {world} rank(s)")
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
@@ -59,8 +63,8 @@ def materialise(ds, fn, fmt, block) -> packing.Samples:
     ids, masks = [], []
     for i, batch in enumerate(ds.iter(batch_size=CHUNK)):
         out = fn(batch, list(range(i * CHUNK + 1, i * CHUNK + 1 + len(next(iter(batch.values()))))))
-        for x, m in formats.split_examples({k: v[0] for k, v in out.items()}):
-            if fmt == "text" or len(x) <= block:
+        for x, m, why in formats.split_examples({k: v[0] for k, v in out.items()}):
+            if not why and (fmt == "text" or len(x) <= block):
                 ids.append(x)
                 masks.append(m)
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
@@ -85,6 +89,7 @@ class StreamOrder:
         self.fn = formats.Tokenize(tok, opts.tokenize)
         self.epoch, self.example, self.offset = 0, 0, 0  # next unconsumed token: example's token `offset`
         self.dropped = 0
+        self.cleaned = {}  # drop reason -> documents this rank's reader skipped
         self._it = None
         self._current = None  # (example index, ids, mask) at self.example
 
@@ -127,8 +132,11 @@ class StreamOrder:
                 batch = {k: v[start - index :] for k, v in batch.items()}
                 n, index = n - (start - index), start
             out = self.fn(batch, list(range(index + 1, index + n + 1)))
-            for j, (ids, mask) in enumerate(formats.split_examples({k: v[0] for k, v in out.items()})):
-                yield index + j, ids, mask
+            for j, (ids, mask, why) in enumerate(formats.split_examples({k: v[0] for k, v in out.items()})):
+                if why:  # dropped by cleaning; its index still counts, so a resume lands on the same example
+                    self.cleaned[why] = self.cleaned.get(why, 0) + 1
+                else:
+                    yield index + j, ids, mask
             index += n
 
     def _peek(self):
@@ -146,6 +154,7 @@ class StreamOrder:
                 self.epoch, self.example, self.offset, self._it = self.epoch + 1, 0, 0, None
                 return self._peek()
             self._current = item
+            self.example = item[0]  # past any examples cleaning dropped
         return self._current
 
     def _advance(self):

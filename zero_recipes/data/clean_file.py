@@ -1,0 +1,185 @@
+"""Clean a dataset once into a JSON-lines file many runs can train on (`tools/clean_data.py`).
+
+The steps and their order are train.py's (`cleaning.Cleaner`, `dedupe`): edits (fix_text, strip_html,
+normalize_whitespace), then the garbled and quality judges, then exact or near dedupe among what is left.
+They run as one batched `datasets.map` over `--preprocessing_num_workers` processes, with its progress bar
+in documents/s; the data stays in Arrow files on disk, so memory grows only with the dedupe index (8
+bytes a document for exact, 448 for near). Kept documents are written with every field unchanged except
+the text the edits repaired, and a report says what each step removed, with examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from . import dedupe, formats, sources
+from .cleaning import Cleaner, fix_strings
+from .options import DataOptions
+
+EXAMPLES_PER_REASON = 3
+EXAMPLE_CHARS = 400
+INTERNAL = ("_drop", "_hash", "_minhash", "_edited")
+
+
+def report_path(output: Path) -> Path:
+    name = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
+    return output.with_name(name + ".report.json")
+
+
+def check_paths(cfg, output: Path) -> None:
+    src = Path(os.path.expanduser(cfg.dataset_name)).resolve()
+    for out in (output, report_path(output)):
+        if out.resolve() == src or (src.is_dir() and src in out.resolve().parents):
+            raise ConfigError(f"--output {output} would overwrite the input {cfg.dataset_name}; write it elsewhere")
+    if not Path(os.path.expanduser(cfg.dataset_name)).exists():
+        raise ConfigError(f"input file '{cfg.dataset_name}' does not exist")
+
+
+class CleanBatch:
+    """The batched map: the edited fields, and per document `_drop`, `_hash`/`_minhash` and `_edited` (the
+    edit steps that changed it). Picklable, for `num_proc`."""
+
+    def __init__(self, opts, fmt: str):
+        self.opts, self.fmt, self.cleaner = opts.tokenize, fmt, Cleaner(opts.tokenize)
+
+    def __call__(self, batch):
+        out, n = {}, len(next(iter(batch.values())))
+        edited = [[] for _ in range(n)]
+        if self.fmt == "text":
+            col = self.opts.text_column
+            texts = ["" if t is None else str(t) for t in batch[col]]
+            for step, fn in self.cleaner.edits:
+                new = [fn(t) for t in texts]
+                for i in range(n):
+                    if new[i] != texts[i]:
+                        edited[i].append(step)
+                texts = new
+            out[col], contents = texts, texts
+        else:
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            if self.opts.fix_text:
+                fixed = [fix_strings(r) for r in rows]
+                edited = [["fix_text"] if a != b else [] for a, b in zip(rows, fixed)]
+                rows = fixed
+                out.update({c: [r[c] for r in rows] for c in batch})
+            contents, texts = rows, [formats.content_text(self.fmt, r) for r in rows]
+        judged = self.cleaner.judge(texts, contents)
+        out["_drop"] = judged.get("drop", [""] * n)
+        if "hash" in judged:
+            out["_hash"] = judged["hash"]
+        if "minhash" in judged:
+            out["_minhash"] = list(judged["minhash"])
+        out["_edited"] = edited
+        return out
+
+
+def clean(cfg, output: Path, log=print) -> dict:
+    """Clean `cfg.dataset_name` into `output` (JSON lines) and `report_path(output)`; returns the report."""
+    check_paths(cfg, output)
+    spec = sources.dataset_specs(cfg)[0]
+    source = sources.describe(spec, cfg)
+    ds = sources.load(spec, source, spec.split, trust_remote_code=cfg.trust_remote_code)
+    opts = DataOptions.from_config(cfg, spec)
+    fmt, how = formats.detect_format(opts.tokenize.format, ds.column_names, opts.tokenize.text_column, spec.name)
+    log(f"clean: {spec.name}: {how}")
+    opts = opts.resolved(fmt)
+    if opts.tokenize.quality_filter != "none" and fmt != "text":
+        raise ConfigError(f"--quality_filter judges web documents, and '{spec.name}' is {fmt} (SFT); drop it")
+    start = time.perf_counter()
+    workers = cfg.preprocessing_num_workers or max(1, min(8, len(os.sched_getaffinity(0))))
+    judged = ds.map(
+        CleanBatch(opts, fmt),
+        batched=True,
+        batch_size=500,
+        num_proc=min(workers, max(1, len(ds) // 2000)),
+        desc="cleaning",
+    )
+    report = decide(judged, opts, fmt, spec.name)
+    kept = report.pop("_kept")
+    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    judged.select(kept).remove_columns([c for c in INTERNAL if c in judged.column_names]).to_json(
+        tmp, lines=True, force_ascii=False
+    )
+    seconds = time.perf_counter() - start
+    report.update(input=str(cfg.dataset_name), output=str(output), seconds=round(seconds, 2))
+    report["documents_per_second"] = round(report["documents"] / max(seconds, 1e-9), 1)
+    tmp.replace(output)
+    report_path(output).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    for line in summary_lines(report):
+        log(line)
+    return report
+
+
+def decide(judged, opts, fmt: str, name: str) -> dict:
+    """Which documents to keep, in train.py's order of steps, with counts and examples per reason."""
+    n, col = len(judged), opts.tokenize.text_column
+    drop = np.asarray(judged["_drop"], dtype=object)
+    edited = judged["_edited"]
+    report = {
+        "format": fmt,
+        "options": {k: v for k, v in asdict(opts.tokenize).items() if k not in ("format", "train_on_prompt")},
+        "documents": n,
+        "edited": {s: sum(s in e for e in edited) for s, _ in Cleaner(opts.tokenize).edits},
+        "removed": {},
+    }
+    report["options"]["dedupe_threshold"] = opts.dedupe_threshold
+    keep = drop == ""
+    for why in sorted(set(drop) - {""}):
+        idx = np.flatnonzero(drop == why)
+        report["removed"][why] = {
+            "documents": len(idx),
+            "examples": [shown(judged, fmt, col, i) for i in idx[:EXAMPLES_PER_REASON]],
+        }
+    mode = opts.tokenize.dedupe
+    if mode != "none":
+        candidates = np.flatnonzero(keep)
+        if mode == "exact":
+            what, keys = "exact duplicates", np.asarray(judged["_hash"], dtype=np.int64)
+            matched = dedupe.exact(keys[candidates])
+        else:
+            what = f"near duplicates (similarity >= {opts.dedupe_threshold})"
+            keys = np.asarray(judged["_minhash"], dtype=np.uint32).reshape(n, -1)
+            matched = dedupe.near(keys[candidates], opts.dedupe_threshold)
+        removed = candidates[matched >= 0]
+        of = candidates[matched[matched >= 0]]
+        keep[removed] = False
+        examples = []
+        for i, j in list(zip(removed, of))[:EXAMPLES_PER_REASON]:
+            ex = shown(judged, fmt, col, i) | {"duplicate_of": shown(judged, fmt, col, j)}
+            if mode == "near":
+                ex["similarity"] = round(float((keys[i] == keys[j]).mean()), 3)
+            examples.append(ex)
+        report["removed"][what] = {"documents": len(removed), "examples": examples}
+    if not keep.any():
+        raise ConfigError(f"nothing of '{name}' is left after cleaning; relax the options")
+    report["kept"] = int(keep.sum())
+    report["_kept"] = np.flatnonzero(keep)
+    return report
+
+
+def shown(ds, fmt: str, column: str, i) -> dict:
+    """One document of a report: its 0-based index in the input and the start of its text."""
+    row = ds[int(i)]
+    text = str(row[column] or "") if fmt == "text" else formats.content_text(fmt, row)
+    return {"index": int(i), "text": text[:EXAMPLE_CHARS]}
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = [
+        f"clean: {report['documents']} documents -> {report['kept']} kept "
+        f"({report['documents_per_second']:.0f} documents/s, {report['seconds']:.1f} s)"
+    ]
+    for step, count in report["edited"].items():
+        lines.append(f"  edited by {step}: {count}")
+    for why, r in report["removed"].items():
+        lines.append(f"  removed, {why}: {r['documents']}")
+    lines.append(f"  wrote {report['output']} and {report_path(Path(report['output']))}")
+    return lines
