@@ -323,6 +323,11 @@ def validate_cleaning(cfg: TrainConfig) -> None:
         raise ConfigError(f"--dedupe_threshold must be between 0 and 1 (exclusive), got {cfg.dedupe_threshold}")
     if cfg.min_document_tokens < 0:
         raise ConfigError(f"--min_document_tokens must be >= 0, got {cfg.min_document_tokens}")
+    if cfg.streaming and cfg.dedupe != "none":
+        raise ConfigError(
+            f"--dedupe {cfg.dedupe} needs the whole dataset, which --streaming never holds; clean the files once "
+            "with tools/clean_data.py (same options) and stream its output"
+        )
 
 
 def parse_inline_or_file(name: str, value: Any) -> Any:

@@ -48,7 +48,7 @@ class Case:
     name: str
     args: tuple  # train.py's arguments; "{tmp}" is the row's own folder, "{port}" a port held by another job
     says: tuple  # fragments the error line must hold
-    files: dict = field(default_factory=dict)  # the user's files: path under {tmp} -> text ("" + "/" = a folder)
+    files: dict = field(default_factory=dict)  # the user's files: path under {tmp} -> text or bytes ("/": a folder)
     runner: str = "in-process"  # or "process" (python train.py), "launcher" (deepspeed --num_gpus 1), or a tool
 
     damaged_run: bool = False  # {tmp}/run is a copy of a finished ZeRO-2 run, each checkpoint cut short
@@ -134,6 +134,31 @@ CASES = [
     Case("model vocab smaller than the tokenizer",
          ("--model_config", TINY_VOCAB, *ZERO2, "--max_steps", "1", "--block_size", "32", "--report_to", "none"),
          ("tokenizer has 4096 tokens but the model's vocab_size is 100",), runner="process"),
+    Case("near dedupe while streaming", (*ZERO2, "--streaming", "--max_steps", "2", "--dedupe", "near"),
+         ("--dedupe near needs the whole dataset", "tools/clean_data.py")),
+    Case("an unknown dedupe mode", (*ZERO2, "--dedupe", "fuzzy"), ("--dedupe 'fuzzy' is not one of none, exact, near",)),
+    Case("a dedupe threshold outside (0, 1)", (*ZERO2, "--dedupe", "near", "--dedupe_threshold", "70"),
+         ("--dedupe_threshold must be between 0 and 1 (exclusive), got 70.0",)),
+    Case("the quality filter on SFT data", (*ZERO2, "--dataset_name", "builtin:tiny-instructions", "--quality_filter",
+                                            "gopher"),
+         ("--quality_filter gopher judges web documents", "use --drop_garbled and --dedupe for SFT data"),
+         runner="process"),
+    # ---- tools/clean_data.py: nothing written, the input untouched -------------------------------------
+    Case("clean_data of a binary file", ("{tmp}/blob.jsonl", "--output", "{tmp}/out.jsonl"),
+         ("blob.jsonl is a binary file", "UTF-8 .jsonl"), files={"blob.jsonl": b"\x7fELF\x02\x01\x00\x00" * 64},
+         runner="clean_data"),
+    Case("clean_data of a line that is not JSON", ("{tmp}/bad.jsonl", "--output", "{tmp}/out.jsonl"),
+         ("bad.jsonl:2:1: not valid JSON lines",), files={"bad.jsonl": '{"text": "a"}\nnot json\n'},
+         runner="clean_data"),
+    Case("clean_data without the text column", ("{tmp}/cols.jsonl", "--output", "{tmp}/out.jsonl"),
+         ("has no column 'text' (columns: body, id)", "--text_column NAME"),
+         files={"cols.jsonl": '{"body": "a", "id": 1}\n'}, runner="clean_data"),
+    Case("clean_data with a threshold outside (0, 1)", ("{tmp}/a.jsonl", "--output", "{tmp}/out.jsonl", "--dedupe",
+                                                        "near", "--dedupe_threshold", "0"),
+         ("--dedupe_threshold must be between 0 and 1",), files={"a.jsonl": '{"text": "a"}\n'}, runner="clean_data"),
+    Case("clean_data onto its own input", ("{tmp}/a.jsonl", "--output", "{tmp}/a.jsonl"),
+         ("would overwrite the input", "write it elsewhere"), files={"a.jsonl": '{"text": "a"}\n'},
+         runner="clean_data"),
     # ---- output_dir: nothing of the user's replaced or removed ---------------------------------------
     Case("output dir holds the user's files", (*ZERO2, "--output_dir", "{tmp}/mine"),
          ("holds no zero-recipes run", "--overwrite_output_dir"), files={"mine/thesis.txt": "precious"}),
@@ -170,7 +195,7 @@ CASES = [
 def error_line(case: Case, args: list[str], port: int) -> str:
     if case.runner == "in-process":
         return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
-    if case.runner in ("export_hf", "estimate_memory"):
+    if case.runner in ("export_hf", "estimate_memory", "clean_data"):
         proc = tool_in_process(case.runner, *args)
     elif case.runner == "process":
         proc = run_train(*args)
@@ -222,7 +247,10 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, traine
     for rel, text in case.files.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir() if rel.endswith("/") else path.write_text(text)
+        if rel.endswith("/"):
+            path.mkdir()
+        else:
+            path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     port = free_port()
     args = [a.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for a in case.args]
     if case.damaged_run:

@@ -95,7 +95,34 @@ def garbled_reason(text: str) -> Optional[str]:
 
     if ftfy.badness.badness(text) > max(2, MOJIBAKE_PER_CHAR * chars):
         return "garbled: mojibake"
+    han = _HAN.findall(text)
+    if len(han) >= 20 and sum(not _common_han(c) for c in han) > RARE_HAN_SHARE * len(han):
+        return "garbled: mojibake (rare Han characters)"
     return None
+
+
+# UTF-8 read as GBK or Big5 gives valid Han characters, which ftfy's badness does not see, but mostly rare
+# ones: measured on a news paragraph, 57 % (GBK) and 50 % (Big5) of them are outside the common sets below,
+# against 0 % of the paragraph itself in simplified, traditional or Japanese writing.
+_HAN = re.compile("[\u4e00-\u9fff]")
+RARE_HAN_SHARE = 0.25
+_COMMON_HAN = (  # the frequent-character blocks of each national encoding, as big-endian code ranges
+    ("gb2312", 0xB0A1, 0xD7F9),  # GB 2312 level 1: the 3,755 most used simplified characters
+    ("big5", 0xA440, 0xC67E),  # Big5's 5,401 frequently used traditional characters
+    ("shift_jis", 0x889F, 0x9872),  # JIS X 0208 level 1: 2,965 common kanji
+)
+
+
+@lru_cache(maxsize=1 << 16)
+def _common_han(ch: str) -> bool:
+    for encoding, low, high in _COMMON_HAN:
+        try:
+            code = int.from_bytes(ch.encode(encoding), "big")
+        except UnicodeEncodeError:
+            continue
+        if low <= code <= high:
+            return True
+    return False
 
 
 # ---- quality (Gopher) --------------------------------------------------------------------------------
@@ -152,7 +179,7 @@ def gopher_filters(unspaced_script: bool):
         split = WORD_SPACED.findall
         quality = GopherQualityFilter(stop_words=STOP_WORDS_LATIN, language=_word_tokenizer(split))
         repetition = GopherRepetitionFilter(language=_word_tokenizer(split))
-    return repetition, quality
+    return quality, repetition
 
 
 def quality_reason(text: str) -> Optional[str]:
@@ -160,7 +187,7 @@ def quality_reason(text: str) -> Optional[str]:
 
     script = unspaced(text)
     doc = Document(text=text, id="")
-    for f in gopher_filters(script):
+    for f in gopher_filters(script):  # quality first: its reasons (too short, no stop words) say more
         verdict = f.filter(doc)
         if verdict is not True:
             why = verdict[1] if isinstance(verdict, tuple) else f.name

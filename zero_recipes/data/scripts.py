@@ -28,7 +28,8 @@ def unspaced(text: str) -> bool:
     return letters > 0 and len(_UNSPACED_CHAR.findall(text)) >= _UNSPACED_SHARE * letters
 
 
-# "words" for rules phrased in words: an unspaced character alone, else a run of letters/digits (with inner
-# apostrophes), else one punctuation or symbol character
+# "words" for rules phrased in words. Spaced scripts: what lies between spaces, punctuation attached, as the
+# Gopher rules were written for. Unspaced: each such character, else a run of other letters/digits, else
+# one punctuation or symbol character.
 WORD_UNSPACED = re.compile(f"[{UNSPACED}]|[^\\W{UNSPACED}]+|[^\\w\\s]")
-WORD_SPACED = re.compile(r"\w+(?:['’]\w+)*|[^\w\s]")
+WORD_SPACED = re.compile(r"\S+")

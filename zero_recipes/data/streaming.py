@@ -23,18 +23,13 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     specs = sources.dataset_specs(cfg)
     if len(specs) != 1:
         raise ConfigError("--streaming reads one dataset; mix datasets without --streaming, or pre-mix the files")
-    if cfg.dedupe != "none":
-        raise ConfigError(
-            f"--dedupe {cfg.dedupe} needs the whole dataset, which --streaming never holds; clean the files once "
-            "with tools/clean_data.py (same options) and stream its output"
-        )
     spec = specs[0]
     source = sources.describe(spec, cfg)
     head = sources.load(spec, source, spec.split, streaming=True, trust_remote_code=cfg.trust_remote_code)
     columns = head.column_names or list(next(iter(head)).keys())
     opts = DataOptions.from_config(cfg, spec)
     fmt, how = formats.detect_format(opts.tokenize.format, columns, opts.tokenize.text_column, spec.name)
-    opts = opts.resolved(fmt)  # dedupe is off: refused above
+    opts = opts.resolved(fmt)  # dedupe is off: config.validate_cleaning refuses it with streaming
     check_cleaning(opts.tokenize, spec.name)
     log(f"data: {spec.name}: {how}; streaming, sharded over {world} rank(s)")
     if fmt == "messages":
