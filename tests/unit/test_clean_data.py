@@ -96,6 +96,14 @@ def test_the_tool_writes_the_kept_rows_unchanged_and_a_report_with_examples(tmp_
     assert pairs == {(4, 0), (5, 1)} and all(0.7 <= e["similarity"] <= 1 for e in near["examples"])
     assert report["removed"]["garbled: replacement characters"]["examples"][0]["index"] == 6
     assert "clean: 10 documents -> 5 kept" in proc.stdout and "removed, near duplicates" in proc.stdout
+    removed = [json.loads(x) for x in (tmp_path / "clean.removed.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {r["id"]: (r["removed_because"].split(":")[0], r["duplicate_of"]) for r in removed} == {
+        "en-near": ("near duplicates (similarity >= 0.7)", 0),
+        "zh-near": ("near duplicates (similarity >= 0.7)", 1),
+        "garbled": ("garbled", -1),
+        "zh-gbk": ("garbled", -1),
+        "spam": ("quality", -1),
+    }
 
 
 def test_the_tool_and_train_py_agree_on_sft_data(tmp_path, tok):

@@ -5,7 +5,8 @@ normalize_whitespace), then the garbled and quality judges, then exact or near d
 They run as one batched `datasets.map` over `--preprocessing_num_workers` processes, with its progress bar
 in documents/s; the data stays in Arrow files on disk, so memory grows only with the dedupe index (8
 bytes a document for exact, 448 for near). Kept documents are written with every field unchanged except
-the text the edits repaired, and a report says what each step removed, with examples.
+the text the edits repaired; removed ones go to OUT.removed.jsonl with why (and which document a duplicate
+repeats), and a report says what each step removed, with examples.
 """
 
 from __future__ import annotations
@@ -29,13 +30,21 @@ INTERNAL = ("_drop", "_hash", "_minhash", "_edited")
 
 
 def report_path(output: Path) -> Path:
+    return _beside(output, ".report.json")
+
+
+def removed_path(output: Path) -> Path:
+    return _beside(output, ".removed.jsonl")
+
+
+def _beside(output: Path, suffix: str) -> Path:
     name = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return output.with_name(name + ".report.json")
+    return output.with_name(name + suffix)
 
 
 def check_paths(cfg, output: Path) -> None:
     src = Path(os.path.expanduser(cfg.dataset_name)).resolve()
-    for out in (output, report_path(output)):
+    for out in (output, report_path(output), removed_path(output)):
         if out.resolve() == src or (src.is_dir() and src in out.resolve().parents):
             raise ConfigError(f"--output {output} would overwrite the input {cfg.dataset_name}; write it elsewhere")
     if not Path(os.path.expanduser(cfg.dataset_name)).exists():
@@ -102,16 +111,19 @@ def clean(cfg, output: Path, log=print) -> dict:
         desc="cleaning",
     )
     report = decide(judged, opts, fmt, spec.name)
-    kept = report.pop("_kept")
-    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
+    reasons, duplicate_of = report.pop("_reasons"), report.pop("_duplicate_of")
+    rows = judged.remove_columns([c for c in INTERNAL if c in judged.column_names])
+    removed = np.flatnonzero(reasons != "")
     output.parent.mkdir(parents=True, exist_ok=True)
-    judged.select(kept).remove_columns([c for c in INTERNAL if c in judged.column_names]).to_json(
-        tmp, lines=True, force_ascii=False
-    )
+    tmp = [p.with_name(p.name + f".tmp{os.getpid()}") for p in (output, removed_path(output))]
+    rows.select(np.flatnonzero(reasons == "")).to_json(tmp[0], lines=True, force_ascii=False)
+    audit = rows.select(removed).add_column("removed_because", list(reasons[removed]))
+    audit.add_column("duplicate_of", duplicate_of[removed].tolist()).to_json(tmp[1], lines=True, force_ascii=False)
     seconds = time.perf_counter() - start
-    report.update(input=str(cfg.dataset_name), output=str(output), seconds=round(seconds, 2))
-    report["documents_per_second"] = round(report["documents"] / max(seconds, 1e-9), 1)
-    tmp.replace(output)
+    report.update(input=str(cfg.dataset_name), output=str(output), removed_rows=str(removed_path(output)))
+    report.update(seconds=round(seconds, 2), documents_per_second=round(report["documents"] / max(seconds, 1e-9), 1))
+    tmp[0].replace(output)
+    tmp[1].replace(removed_path(output))
     report_path(output).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     for line in summary_lines(report):
         log(line)
@@ -132,6 +144,7 @@ def decide(judged, opts, fmt: str, name: str) -> dict:
     }
     report["options"]["dedupe_threshold"] = opts.dedupe_threshold
     keep = drop == ""
+    reasons, duplicate_of = drop.copy(), np.full(n, -1, dtype=np.int64)
     for why in sorted(set(drop) - {""}):
         idx = np.flatnonzero(drop == why)
         report["removed"][why] = {
@@ -151,6 +164,7 @@ def decide(judged, opts, fmt: str, name: str) -> dict:
         removed = candidates[matched >= 0]
         of = candidates[matched[matched >= 0]]
         keep[removed] = False
+        reasons[removed], duplicate_of[removed] = what, of
         examples = []
         for i, j in list(zip(removed, of))[:EXAMPLES_PER_REASON]:
             ex = shown(judged, fmt, col, i) | {"duplicate_of": shown(judged, fmt, col, j)}
@@ -161,7 +175,7 @@ def decide(judged, opts, fmt: str, name: str) -> dict:
     if not keep.any():
         raise ConfigError(f"nothing of '{name}' is left after cleaning; relax the options")
     report["kept"] = int(keep.sum())
-    report["_kept"] = np.flatnonzero(keep)
+    report["_reasons"], report["_duplicate_of"] = reasons, duplicate_of
     return report
 
 
@@ -181,5 +195,6 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"  edited by {step}: {count}")
     for why, r in report["removed"].items():
         lines.append(f"  removed, {why}: {r['documents']}")
-    lines.append(f"  wrote {report['output']} and {report_path(Path(report['output']))}")
+    out = Path(report["output"])
+    lines.append(f"  wrote {out}, {report_path(out)} and the removed rows with why: {removed_path(out)}")
     return lines
