@@ -7,6 +7,9 @@
     # one timed preparation in a fresh cache, printed as JSON (what `data` runs per repetition)
     HF_DATASETS_CACHE=$(mktemp -d) python tools/benchmark.py prep-once ours corpus.jsonl --num-proc 2
 
+    # data cleaning: near-duplicate recall/precision, garbled recall, clean documents kept (EN, ZH), docs/s, memory
+    python tools/benchmark.py cleaning                  # 100,000 documents; --quick: 2,000 (the test)
+
     # peak host memory of tools/export_hf.py on 2-rank ZeRO-2/3 checkpoints of a ~91M-parameter model
     python tools/benchmark.py export                    # --quick: a ~7M-parameter model
 
@@ -42,6 +45,7 @@ import argparse
 import sys
 
 from bench import (
+    cleaning,
     data,
     estimator,
     estimator_public,
@@ -63,6 +67,7 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     order = (
         data,
+        cleaning,
         export,
         estimator,
         estimator_public,

@@ -11,8 +11,10 @@ checkpointing, packing, streaming, micro-batch, accumulation, optimizer and sche
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from zero_recipes.shipped import ARCHITECTURES, EXPERT_PARALLEL, PIPELINE_PARALL
 CATALOGUE = {
     "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
     "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
+    "llama-3.2-1b-pretrain-news-clean.yaml": dict(data="c4-news", nproc=1, stage=2, offload=(None, None)),
     "llama-3.2-1b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
     "llama-3.2-3b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
     "qwen2.5-7b-sft-zero3.yaml": dict(data="smoltalk", nproc=1, stage=3, offload=(None, None)),
@@ -139,6 +142,25 @@ def chat(i: int, system: bool = False) -> list[dict]:
     return turns
 
 
+@functools.lru_cache(1)
+def long_docstrings() -> list[str]:
+    from zero_recipes.data.builtin import stdlib_docstrings
+
+    return [d for d in stdlib_docstrings() if len(d.split()) >= 60]
+
+
+def news_article(i: int) -> str:
+    """c4 realnewslike's stand-in: articles of real English prose (the embedded corpus's docstrings), every
+    tenth a copy of the one before it under another header (a near-duplicate, which the recipe's cleaning
+    removes) and every 25th garbled (dropped)."""
+    docs = long_docstrings()
+    if i % 25 == 24:
+        return "\ufffd\ufffd " * 200
+    if i % 10 == 9:
+        return "Syndicated by Example Wire\n\n" + docs[(i - 1) % len(docs)]
+    return docs[i % len(docs)]
+
+
 def rows(kind: str, n: int, start: int = 0) -> list[dict]:
     """Rows with the columns of the real dataset."""
     out = []
@@ -156,6 +178,10 @@ def rows(kind: str, n: int, start: int = 0) -> list[dict]:
                     "score": 3.1,
                     "int_score": 3,
                 }
+            )
+        elif kind == "c4-news":
+            out.append(
+                {"text": news_article(i), "timestamp": "2019-04-25T10:40:43Z", "url": f"https://example.org/{i}"}
             )
         elif kind in ("ultrachat", "longalign"):
             messages = chat(i)
@@ -245,6 +271,15 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         dp = spec["nproc"] // pp
         assert f"distributed: {spec['nproc']} ranks = {dp} data-parallel x {pp} pipeline-parallel" in run.log
 
+    if spec["data"] == "c4-news":  # the stand-in's planted near-duplicates and garbled articles are gone
+        removed = dict(
+            re.findall(r"(near duplicates \(similarity >= 0\.7\)|garbled: [a-z -]+): -(\d+) documents", run.log)
+        )
+        assert (
+            int(removed["near duplicates (similarity >= 0.7)"]) >= 32
+            and int(removed["garbled: replacement characters"]) == 16
+        ), removed
+
     losses = run.losses
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.log[-3000:]
     evals = [r for r in run.records if "eval_loss" in r]
@@ -280,6 +315,7 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         "learning_rate",
         "lr_scheduler_type",
         "attn_implementation",
+        *("fix_text", "drop_garbled", "quality_filter", "dedupe", "dedupe_threshold"),
     ):
         if key in recipe:
             assert run_config[key] == recipe[key], key

@@ -1,0 +1,219 @@
+"""`python tools/benchmark.py cleaning`: tools/clean_data.py on a labelled corpus (bench/cleaning_corpus.py)
+of English and Chinese documents with planted near-duplicates, exact duplicates, garbled text and
+repairable mojibake. Each document's fate is read from clean_data's own outputs (OUT.jsonl and
+OUT.removed.jsonl, which say why), so what is scored is what a user gets.
+
+Scores: near-duplicate recall (per variant and language) and precision, garbled recall (per variant),
+clean documents wrongly removed (per language and reason), documents/s and the peak memory of the whole
+process tree; then the same corpus through `--dedupe exact` alone, the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from bench import cleaning_corpus
+from bench.common import REPO, footer, new_report, write_report, yes
+
+ALL_ON = ["--fix_text", "true", "--drop_garbled", "true", "--quality_filter", "gopher", "--dedupe", "near"]
+GOALS = {"near_recall": 0.9, "near_precision": 0.98, "garbled_recall": 0.9, "clean_removed": 0.02}
+
+
+def peak_tree_rss(proc: subprocess.Popen, stop: threading.Event, out: list) -> None:
+    """Sample the RSS of `proc` and all its children (the map's worker processes) every 0.1 s."""
+    import psutil
+
+    peak = 0
+    root = psutil.Process(proc.pid)
+    while not stop.is_set():
+        try:
+            procs = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    out.append(peak)
+
+
+def run_clean(corpus: Path, out: Path, flags: list[str], workers: int) -> dict:
+    """tools/clean_data.py as a user runs it, in a fresh datasets cache (so nothing is reused)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, HF_DATASETS_CACHE=cache)
+        cmd = [sys.executable, "tools/clean_data.py", str(corpus), "--output", str(out), *flags]
+        cmd += ["--preprocessing_num_workers", str(workers)]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stop, peak = threading.Event(), []
+        sampler = threading.Thread(target=peak_tree_rss, args=(proc, stop, peak))
+        sampler.start()
+        output, _ = proc.communicate()
+        stop.set()
+        sampler.join()
+        wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"error: clean_data failed:\n{output[-3000:]}")
+    report = json.loads(out.with_name(out.stem + ".report.json").read_text())
+    return {"report": report, "wall_seconds": round(wall, 1), "peak_rss_mib": round(peak[0] / 2**20, 1)}
+
+
+def fates(out: Path) -> dict[int, tuple[str, int]]:
+    """document id -> (why removed, '' if kept; the id it duplicates, or -1)."""
+    result = {json.loads(x)["id"]: ("", -1) for x in out.read_text().splitlines()}
+    removed = out.with_name(out.stem + ".removed.jsonl")
+    for line in removed.read_text().splitlines():
+        r = json.loads(line)
+        result[r["id"]] = (r["removed_because"], r["duplicate_of"])
+    return result
+
+
+def ratio(hit: int, total: int) -> dict:
+    return {"hit": hit, "total": total, "value": round(hit / total, 4) if total else None}
+
+
+def score(docs: list[dict], fate: dict) -> dict:
+    """The planted labels against what clean_data did."""
+    near = defaultdict(lambda: [0, 0])
+    garbled = defaultdict(lambda: [0, 0])
+    clean = defaultdict(lambda: [0, 0])
+    clean_reasons = Counter()
+    removed_as_dup, true_dup = 0, 0
+    for i, d in enumerate(docs):
+        why, _ = fate[i]
+        is_dup = why.startswith(("near duplicates", "exact duplicates"))
+        removed_as_dup += is_dup
+        true_dup += is_dup and d["kind"] in ("near_dup", "exact_dup")
+        if d["kind"] in ("near_dup", "exact_dup"):
+            key = f"{d['lang']} {d['variant'] or 'exact copy'}"
+            near[key][0] += is_dup
+            near[key][1] += 1
+        elif d["kind"] == "garbled":
+            garbled[f"{d['lang']} {d['variant']}"][0] += why.startswith("garbled")
+            garbled[f"{d['lang']} {d['variant']}"][1] += 1
+        else:  # clean, and mojibake that fix_text repairs: both must be kept
+            clean[d["lang"]][0] += why != ""
+            clean[d["lang"]][1] += 1
+            if why:
+                clean_reasons[f"{d['lang']}: {why}"] += 1
+    total = lambda table: ratio(sum(h for h, _ in table.values()), sum(n for _, n in table.values()))  # noqa: E731
+    return {
+        "near_recall": total(near),
+        "near_recall_by": {k: ratio(*v) for k, v in sorted(near.items())},
+        "near_precision": ratio(true_dup, removed_as_dup),
+        "garbled_recall": total(garbled),
+        "garbled_recall_by": {k: ratio(*v) for k, v in sorted(garbled.items())},
+        "clean_removed_by_language": {k: ratio(*v) for k, v in sorted(clean.items())},
+        "clean_removed_reasons": dict(clean_reasons.most_common()),
+    }
+
+
+def cmd_cleaning(args) -> int:
+    n = 2000 if args.quick else args.documents
+    workers = args.num_proc or len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        start = time.perf_counter()
+        docs = cleaning_corpus.build(n, seed=args.seed)
+        for i, d in enumerate(docs):
+            d["id"] = i
+        cleaning_corpus.write_jsonl(docs, corpus)
+        built = time.perf_counter() - start
+        print(f"corpus: {n} documents in {built:.0f} s; cleaning with every step on ...", flush=True)
+        full = run_clean(corpus, Path(tmp) / "all.jsonl", ALL_ON, workers)
+        full["scores"] = score(docs, fates(Path(tmp) / "all.jsonl"))
+        print("baseline: --dedupe exact only ...", flush=True)
+        exact = run_clean(corpus, Path(tmp) / "exact.jsonl", ["--dedupe", "exact"], workers)
+        exact["scores"] = score(docs, fates(Path(tmp) / "exact.jsonl"))
+        counts = Counter(f"{d['lang']} {d['kind']}" for d in docs)
+    result = new_report(
+        documents=n,
+        seed=args.seed,
+        workers=workers,
+        corpus=dict(sorted(counts.items())),
+        all_steps=full,
+        exact_only=exact,
+        goals=GOALS,
+        **cleaning_corpus_versions(),
+    )
+    name = f"cleaning-{result['date']}" + ("-quick" if args.quick else "")
+    write_report(args.out_dir, name, result, markdown(result))
+    return 0
+
+
+def cleaning_corpus_versions() -> dict:
+    from bench.common import optional_versions
+
+    return {"cleaning_versions": optional_versions("datatrove", "ftfy")}
+
+
+def pct(r: dict) -> str:
+    return "n/a" if r["value"] is None else f"{100 * r['value']:.1f} % ({r['hit']}/{r['total']})"
+
+
+def markdown(r: dict) -> str:
+    a, e = r["all_steps"], r["exact_only"]
+    s, b = a["scores"], e["scores"]
+    clean_worst = max((x["value"] or 0) for x in s["clean_removed_by_language"].values())
+    lines = [
+        f"# Data cleaning, {r['date']}",
+        "",
+        f"`{r['command']}`: tools/clean_data.py on {r['documents']} generated documents (seed {r['seed']}, "
+        f"{r['workers']} workers), half English and half Chinese: {', '.join(f'{k} {v}' for k, v in r['corpus'].items())}. "
+        "How the corpus is made: tools/bench/cleaning_corpus.py. Each document's fate is read from clean_data's "
+        "own outputs.",
+        "",
+        "| goal | every step on (`" + " ".join(ALL_ON) + "`) | `--dedupe exact` alone (baseline) | met |",
+        "| --- | --- | --- | --- |",
+        f"| near-duplicate recall ≥ 0.9 | {pct(s['near_recall'])} | {pct(b['near_recall'])} | "
+        f"{yes((s['near_recall']['value'] or 0) >= GOALS['near_recall'])} |",
+        f"| near-duplicate precision ≥ 0.98 | {pct(s['near_precision'])} | {pct(b['near_precision'])} | "
+        f"{yes((s['near_precision']['value'] or 0) >= GOALS['near_precision'])} |",
+        f"| garbled recall ≥ 0.9 | {pct(s['garbled_recall'])} | {pct(b['garbled_recall'])} | "
+        f"{yes((s['garbled_recall']['value'] or 0) >= GOALS['garbled_recall'])} |",
+    ]
+    for lang, x in s["clean_removed_by_language"].items():
+        base = b["clean_removed_by_language"][lang]
+        lines.append(f"| clean {lang} documents wrongly removed ≤ 2 % | {pct(x)} | {pct(base)} | "
+                     f"{yes((x['value'] or 0) <= GOALS['clean_removed'])} |")  # fmt: skip
+    lines += [
+        f"| documents/s | {a['report']['documents_per_second']:.0f} | {e['report']['documents_per_second']:.0f} | |",
+        f"| peak memory, whole process tree | {a['peak_rss_mib']:.0f} MiB | {e['peak_rss_mib']:.0f} MiB | |",
+        f"| wall time of the command | {a['wall_seconds']:.0f} s | {e['wall_seconds']:.0f} s | |",
+        "",
+        "Near-duplicate recall by language and variant (every step on):",
+        "",
+        "| planted | recall | baseline |",
+        "| --- | --- | --- |",
+        *(f"| {k} | {pct(v)} | {pct(b['near_recall_by'][k])} |" for k, v in s["near_recall_by"].items()),
+        "",
+        "Garbled recall by language and variant:",
+        "",
+        "| planted | recall |",
+        "| --- | --- |",
+        *(f"| {k} | {pct(v)} |" for k, v in s["garbled_recall_by"].items()),
+        "",
+        "Clean documents removed, by reason: "
+        + (", ".join(f"{k} ({v})" for k, v in s["clean_removed_reasons"].items()) or "none")
+        + f" (worst language {100 * clean_worst:.1f} %).",
+        "",
+        *footer(r),
+        f"- Cleaning: datatrove {r['cleaning_versions'].get('datatrove')}, ftfy {r['cleaning_versions'].get('ftfy')}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("cleaning", help="clean_data.py on planted near-duplicates and garbled text, EN and ZH")
+    p.add_argument("--documents", type=int, default=100_000, help="corpus size (default 100,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-proc", type=int, default=None, help="clean_data's workers (default: all cores)")
+    p.add_argument("--quick", action="store_true", help="2,000 documents (the test)")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where cleaning-DATE.{md,json} go")
+    p.set_defaults(func=cmd_cleaning)
