@@ -64,11 +64,12 @@ def run_clean(corpus: Path, out: Path, flags: list[str], workers: int) -> dict:
     return {"report": report, "wall_seconds": round(wall, 1), "peak_rss_mib": round(peak[0] / 2**20, 1)}
 
 
-def fates(out: Path) -> dict[int, tuple[str, int]]:
-    """document id -> (why removed, '' if kept; the id it duplicates, or -1)."""
-    result = {json.loads(x)["id"]: ("", -1) for x in out.read_text().splitlines()}
+def fates(out: Path) -> dict[int, tuple[str, object]]:
+    """document id -> (why removed, '' if kept; the id it duplicates, or the kept text)."""
+    kept = (json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x)
+    result = {r["id"]: ("", r["text"]) for r in kept}
     removed = out.with_name(out.stem + ".removed.jsonl")
-    for line in removed.read_text().splitlines():
+    for line in removed.read_text(encoding="utf-8").split("\n")[:-1]:
         r = json.loads(line)
         result[r["id"]] = (r["removed_because"], r["duplicate_of"])
     return result
@@ -83,7 +84,7 @@ def score(docs: list[dict], fate: dict) -> dict:
     near = defaultdict(lambda: [0, 0])
     garbled = defaultdict(lambda: [0, 0])
     clean = defaultdict(lambda: [0, 0])
-    clean_reasons = Counter()
+    clean_reasons, repairs = Counter(), Counter()
     removed_as_dup, true_dup = 0, 0
     for i, d in enumerate(docs):
         why, _ = fate[i]
@@ -94,9 +95,12 @@ def score(docs: list[dict], fate: dict) -> dict:
             key = f"{d['lang']} {d['variant'] or 'exact copy'}"
             near[key][0] += is_dup
             near[key][1] += 1
-        elif d["kind"] == "garbled":
-            garbled[f"{d['lang']} {d['variant']}"][0] += why.startswith("garbled")
-            garbled[f"{d['lang']} {d['variant']}"][1] += 1
+        elif d["kind"] == "garbled":  # caught: removed as garbled, or repaired by fix_text into its original
+            repaired = not why and fixed(fate[i][1]) == fixed(d["original"])
+            key = f"{d['lang']} {d['variant']}"
+            garbled[key][0] += why.startswith("garbled") or repaired
+            garbled[key][1] += 1
+            repairs[key] += repaired
         else:  # clean, and mojibake that fix_text repairs: both must be kept
             clean[d["lang"]][0] += why != ""
             clean[d["lang"]][1] += 1
@@ -109,9 +113,39 @@ def score(docs: list[dict], fate: dict) -> dict:
         "near_precision": ratio(true_dup, removed_as_dup),
         "garbled_recall": total(garbled),
         "garbled_recall_by": {k: ratio(*v) for k, v in sorted(garbled.items())},
+        "garbled_repaired_by": dict(sorted(repairs.items())),
         "clean_removed_by_language": {k: ratio(*v) for k, v in sorted(clean.items())},
         "clean_removed_reasons": dict(clean_reasons.most_common()),
     }
+
+
+def fixed(text: str) -> str:
+    from zero_recipes.data.cleaning import fix_text
+
+    return fix_text(text)
+
+
+def threshold_sweep(docs: list[dict], limit: int) -> dict:
+    """Near-duplicate recall and precision of `dedupe.near` at several thresholds, on the first `limit`
+    documents that reach dedupe (clean ones, their duplicates, repaired mojibake): what --dedupe_threshold
+    trades. Computed in this process from the same signatures clean_data uses."""
+    import numpy as np
+
+    from zero_recipes.data import dedupe
+
+    subset = [d for d in docs[:limit] if d["kind"] != "garbled"]
+    sigs = np.stack([dedupe.signature(fixed(d["text"])) for d in subset])
+    planted = np.array([d["kind"] in ("near_dup", "exact_dup") for d in subset])
+    edits = np.array([d["variant"] == "edit" for d in subset])
+    out = {}
+    for t in (0.5, 0.6, 0.7, 0.8, 0.9):
+        found = dedupe.near(sigs, t) >= 0
+        out[str(t)] = {
+            "near_recall": ratio(int((found & planted).sum()), int(planted.sum())),
+            "edit_recall": ratio(int((found & planted & edits).sum()), int((planted & edits).sum())),
+            "near_precision": ratio(int((found & planted).sum()), int(found.sum())),
+        }
+    return {"documents": len(subset), "thresholds": out}
 
 
 def cmd_cleaning(args) -> int:
@@ -120,10 +154,10 @@ def cmd_cleaning(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         start = time.perf_counter()
-        docs = cleaning_corpus.build(n, seed=args.seed)
+        docs = cleaning_corpus.build(n, seed=args.seed, originals=True)
         for i, d in enumerate(docs):
             d["id"] = i
-        cleaning_corpus.write_jsonl(docs, corpus)
+        cleaning_corpus.write_jsonl([{k: v for k, v in d.items() if k != "original"} for d in docs], corpus)
         built = time.perf_counter() - start
         print(f"corpus: {n} documents in {built:.0f} s; cleaning with every step on ...", flush=True)
         full = run_clean(corpus, Path(tmp) / "all.jsonl", ALL_ON, workers)
@@ -132,6 +166,8 @@ def cmd_cleaning(args) -> int:
         exact = run_clean(corpus, Path(tmp) / "exact.jsonl", ["--dedupe", "exact"], workers)
         exact["scores"] = score(docs, fates(Path(tmp) / "exact.jsonl"))
         counts = Counter(f"{d['lang']} {d['kind']}" for d in docs)
+    print("threshold sweep ...", flush=True)
+    sweep = threshold_sweep(docs, limit=min(n, 20_000))
     result = new_report(
         documents=n,
         seed=args.seed,
@@ -139,6 +175,7 @@ def cmd_cleaning(args) -> int:
         corpus=dict(sorted(counts.items())),
         all_steps=full,
         exact_only=exact,
+        threshold_sweep=sweep,
         goals=GOALS,
         **cleaning_corpus_versions(),
     )
@@ -193,11 +230,23 @@ def markdown(r: dict) -> str:
         "| --- | --- | --- |",
         *(f"| {k} | {pct(v)} | {pct(b['near_recall_by'][k])} |" for k, v in s["near_recall_by"].items()),
         "",
-        "Garbled recall by language and variant:",
+        f"`--dedupe_threshold` against near-duplicate recall and precision (on the {r['threshold_sweep']['documents']} "
+        "non-garbled documents among the first 20,000; computed in-process from the same signatures; "
+        "the default is 0.7):",
         "",
-        "| planted | recall |",
-        "| --- | --- |",
-        *(f"| {k} | {pct(v)} |" for k, v in s["garbled_recall_by"].items()),
+        "| threshold | recall | recall of word/character edits | precision |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {t} | {pct(x['near_recall'])} | {pct(x['edit_recall'])} | {pct(x['near_precision'])} |"
+            for t, x in r["threshold_sweep"]["thresholds"].items()
+        ),
+        "",
+        "Garbled recall by language and variant (caught: removed as garbled, or repaired by `--fix_text` into "
+        "exactly its original text and kept):",
+        "",
+        "| planted | recall | of it repaired |",
+        "| --- | --- | --- |",
+        *(f"| {k} | {pct(v)} | {s['garbled_repaired_by'].get(k, 0)} |" for k, v in s["garbled_recall_by"].items()),
         "",
         "Clean documents removed, by reason: "
         + (", ".join(f"{k} ({v})" for k, v in s["clean_removed_reasons"].items()) or "none")
