@@ -96,7 +96,7 @@ def score(docs: list[dict], fate: dict) -> dict:
             near[key][0] += is_dup
             near[key][1] += 1
         elif d["kind"] == "garbled":  # caught: removed as garbled, or repaired by fix_text into its original
-            repaired = not why and fixed(fate[i][1]) == fixed(d["original"])
+            repaired = not why and fate[i][1] == fixed(d["original"])  # the text kept is the repaired original
             key = f"{d['lang']} {d['variant']}"
             garbled[key][0] += why.startswith("garbled") or repaired
             garbled[key][1] += 1
