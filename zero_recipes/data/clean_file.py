@@ -21,8 +21,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import dedupe, formats, sources
-from .cleaning import Cleaner, fix_strings
+from .cleaning import Cleaner, check_format, fix_strings
 from .options import DataOptions
+from .pipeline import map_processes
 
 EXAMPLES_PER_REASON = 3
 EXAMPLE_CHARS = 400
@@ -63,13 +64,10 @@ class CleanBatch:
         edited = [[] for _ in range(n)]
         if self.fmt == "text":
             col = self.opts.text_column
-            texts = ["" if t is None else str(t) for t in batch[col]]
-            for step, fn in self.cleaner.edits:
-                new = [fn(t) for t in texts]
-                for i in range(n):
-                    if new[i] != texts[i]:
-                        edited[i].append(step)
-                texts = new
+            texts, steps = self.cleaner.edit(["" if t is None else str(t) for t in batch[col]])
+            for step, _, _, changed in steps:
+                for i in changed:
+                    edited[i].append(step)
             out[col], contents = texts, texts
         else:
             rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -99,16 +97,10 @@ def clean(cfg, output: Path, log=print) -> dict:
     fmt, how = formats.detect_format(opts.tokenize.format, ds.column_names, opts.tokenize.text_column, spec.name)
     log(f"clean: {spec.name}: {how}")
     opts = opts.resolved(fmt)
-    if opts.tokenize.quality_filter != "none" and fmt != "text":
-        raise ConfigError(f"--quality_filter judges web documents, and '{spec.name}' is {fmt} (SFT); drop it")
+    check_format(opts.tokenize, spec.name)
     start = time.perf_counter()
-    workers = cfg.preprocessing_num_workers or max(1, min(8, len(os.sched_getaffinity(0))))
     judged = ds.map(
-        CleanBatch(opts, fmt),
-        batched=True,
-        batch_size=500,
-        num_proc=min(workers, max(1, len(ds) // 2000)),
-        desc="cleaning",
+        CleanBatch(opts, fmt), batched=True, batch_size=500, num_proc=map_processes(cfg, len(ds)), desc="cleaning"
     )
     report = decide(judged, opts, fmt, spec.name)
     reasons, duplicate_of = report.pop("_reasons"), report.pop("_duplicate_of")
@@ -153,16 +145,13 @@ def decide(judged, opts, fmt: str, name: str) -> dict:
         }
     mode = opts.tokenize.dedupe
     if mode != "none":
-        candidates = np.flatnonzero(keep)
         if mode == "exact":
-            what, keys = "exact duplicates", np.asarray(judged["_hash"], dtype=np.int64)
-            matched = dedupe.exact(keys[candidates])
+            keys = np.asarray(judged["_hash"], dtype=np.int64)
         else:
-            what = f"near duplicates (similarity >= {opts.dedupe_threshold})"
             keys = np.asarray(judged["_minhash"], dtype=np.uint32).reshape(n, -1)
-            matched = dedupe.near(keys[candidates], opts.dedupe_threshold)
-        removed = candidates[matched >= 0]
-        of = candidates[matched[matched >= 0]]
+        what, matched = dedupe.among(mode, keys, keep, opts.dedupe_threshold)
+        removed = np.flatnonzero(matched >= 0)
+        of = matched[removed]
         keep[removed] = False
         reasons[removed], duplicate_of[removed] = what, of
         examples = []

@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..errors import ConfigError
 from . import dedupe
 from .scripts import WORD_SPACED, WORD_UNSPACED, unspaced
 
@@ -233,22 +234,43 @@ def example_text(row: dict) -> str:
     return "\n".join(parts)
 
 
+# the edits, in their order: (report name, function, the TokenizeOptions field that turns it on)
+EDITS = (
+    ("fix_text", fix_text, "fix_text"),
+    ("html", strip_html, "strip_html"),
+    ("whitespace", normalize_whitespace, "normalize_whitespace"),
+)
+EDIT_STEPS = tuple(name for name, _, _ in EDITS)
+
+
+def check_format(opts, name: str) -> None:
+    """What cleaning refuses once the data's format is known (`opts`: a resolved TokenizeOptions)."""
+    if opts.quality_filter != "none" and opts.format != "text":
+        raise ConfigError(
+            f"--quality_filter {opts.quality_filter} judges web documents, and dataset '{name}' is "
+            f"{opts.format} (SFT): its rules (50+ words, stop words) would drop most short answers; "
+            "use --drop_garbled and --dedupe for SFT data"
+        )
+
+
 class Cleaner:
     """The cleaning steps `opts` (a TokenizeOptions) turns on, in their order: edits that rewrite a text
     (`fix_text`, then `strip_html` and `normalize_whitespace`), then judges that drop it."""
 
     def __init__(self, opts):
         self.opts = opts
-        self.edits = [
-            (name, fn)
-            for name, fn, on in (
-                ("fix_text", fix_text, opts.fix_text),
-                ("html", strip_html, opts.strip_html),
-                ("whitespace", normalize_whitespace, opts.normalize_whitespace),
-            )
-            if on
-        ]
+        self.edits = [(name, fn) for name, fn, field in EDITS if getattr(opts, field)]
         self.judges = opts.drop_garbled or opts.quality_filter != "none"
+
+    def edit(self, texts: list[str]) -> tuple[list[str], list[tuple[str, list[str], list[str], list[int]]]]:
+        """`texts` after every edit that is on, and per edit (its name, the texts before and after it, the
+        indices it changed), for the callers that count what each edit did."""
+        steps = []
+        for name, fn in self.edits:
+            after = [fn(t) for t in texts]
+            steps.append((name, texts, after, [i for i, (a, b) in enumerate(zip(texts, after)) if a != b]))
+            texts = after
+        return texts, steps
 
     def judge(self, texts: list[str], contents: list) -> dict:
         """What the steps after the edits read, per document, as the options ask: `drop`, why it is dropped

@@ -128,3 +128,16 @@ def near(signatures: np.ndarray, threshold: float = DEFAULT_THRESHOLD) -> np.nda
     unmatched = dup & (matched < 0)
     matched[unmatched] = roots[unmatched]
     return matched
+
+
+def among(mode: str, keys: np.ndarray, keep: np.ndarray, threshold: float) -> tuple[str, np.ndarray]:
+    """Dedupe the documents `keep` marks, by their `keys` (exact hashes, or MinHash signatures when `mode`
+    is "near"): the step's report name, and per document the index of the earlier one it repeats, or -1."""
+    candidates = np.flatnonzero(keep)
+    if mode == "exact":
+        what, found = "exact duplicates", exact(keys[candidates])
+    else:
+        what, found = f"near duplicates (similarity >= {threshold})", near(keys[candidates], threshold)
+    matched = np.full(len(keep), -1, dtype=np.int64)
+    matched[candidates[found >= 0]] = candidates[found[found >= 0]]
+    return what, matched

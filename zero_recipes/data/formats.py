@@ -179,17 +179,17 @@ class Tokenize:
     def text(self, batch) -> dict:
         eos = self.tok.eos_token_id
         out = {}
-        texts = [_str(t) for t in batch[self.opts.text_column]]
-        for step, fn in self.cleaner.edits:
-            cleaned = [fn(t) for t in texts]
-            changed = [i for i, (a, b) in enumerate(zip(texts, cleaned)) if a != b]
+        texts, steps = self.cleaner.edit([_str(t) for t in batch[self.opts.text_column]])
+        for step, before, after, changed in steps:
             removed = np.zeros(len(texts), dtype=np.int64)
             if changed:
-                before = self._encode([texts[i] for i in changed])
-                after = self._encode([cleaned[i] for i in changed])
-                removed[changed] = [len(a) - len(b) for a, b in zip(before, after)]
+                removed[changed] = [
+                    len(a) - len(b)
+                    for a, b in zip(
+                        self._encode([before[i] for i in changed]), self._encode([after[i] for i in changed])
+                    )
+                ]
             out[f"removed_{step}"] = removed
-            texts = cleaned
         ids = self._encode(texts)
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError
-from . import dedupe, formats, packing, sources
+from . import cleaning, dedupe, formats, packing, sources
 from .cache import cache_root, digest, publish, tokenizer_fingerprint
 from .options import DataOptions
 from .order import Mixture
@@ -55,6 +55,12 @@ def num_workers(cfg) -> int:
     if cfg.preprocessing_num_workers:
         return cfg.preprocessing_num_workers
     return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def map_processes(cfg, examples: int) -> int:
+    """Processes for a `datasets.map` over `examples`: one per 2000 examples at most, since a process costs
+    more than it saves on fewer."""
+    return min(num_workers(cfg), max(1, examples // 2000))
 
 
 def prepare(cfg, tok, log) -> Prepared:
@@ -111,7 +117,7 @@ def load_split(cfg, spec, source, split):
 def tokenize(cfg, ds, opts: DataOptions, tok, desc) -> Tokenized:
     """`formats.Tokenize` over `ds` with `datasets.map`, whose own cache is keyed by the tokenisation
     options only, so a change of layout (block_size, packing, ...) reuses the tokenised examples."""
-    procs = min(num_workers(cfg), max(1, len(ds) // 2000))
+    procs = map_processes(cfg, len(ds))
     fp = digest(ds._fingerprint, tokenizer_fingerprint(tok), asdict(opts.tokenize), DATA_FORMAT_VERSION)
     out = ds.map(
         formats.Tokenize(tok, opts.tokenize),
@@ -152,7 +158,7 @@ class Tokenized:
         self.mask = flat(ds, "mask", np.uint8) if sft else None
         self.extra = {
             name: flat(ds, name, np.int64)
-            for name in ("removed_fix_text", "removed_html", "removed_whitespace", "hash")
+            for name in (*(f"removed_{step}" for step in cleaning.EDIT_STEPS), "hash")
             if name in ds.column_names
         }
         self.drop = np.asarray(flat_strings(ds, "drop"), dtype=object) if "drop" in ds.column_names else None
@@ -163,16 +169,6 @@ class Tokenized:
 
 def flat_strings(ds, name) -> list[str]:
     return column(ds, name).combine_chunks().flatten().to_pylist() if len(ds) else []
-
-
-def check_cleaning(opts, name: str) -> None:
-    """What cleaning refuses once the format is known."""
-    if opts.quality_filter != "none" and opts.format != "text":
-        raise ConfigError(
-            f"--quality_filter {opts.quality_filter} judges web documents, and dataset '{name}' is "
-            f"{opts.format} (SFT): its rules (50+ words, stop words) would drop most short answers; "
-            "use --drop_garbled and --dedupe for SFT data"
-        )
 
 
 def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
@@ -186,7 +182,7 @@ def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
     opts = opts.resolved(fmt)
-    check_cleaning(opts.tokenize, spec.name)
+    cleaning.check_format(opts.tokenize, spec.name)
     tk = tokenize(cfg, ds, opts, tok, "tokenising")
     report = {"documents": len(tk.lengths)}
     kept = np.flatnonzero(select(tk, opts, spec.name, report))
@@ -227,7 +223,7 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     short, duplicate and (SFT) over-long examples are dropped and counted there."""
     fmt, block, lengths = opts.tokenize.format, opts.block_size, tk.lengths
     keep = np.ones(len(lengths), dtype=bool)
-    for step in ("fix_text", "html", "whitespace"):
+    for step in cleaning.EDIT_STEPS:
         if f"removed_{step}" in tk.extra:
             removed = tk.extra[f"removed_{step}"]
             report[f"cleaning {step}"] = {
@@ -249,15 +245,9 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     if opts.min_document_tokens:
         drop(f"shorter than {opts.min_document_tokens} tokens", lengths - 1 < opts.min_document_tokens)  # EOS aside
     if opts.tokenize.dedupe != "none":
-        candidates = np.flatnonzero(keep)
-        if opts.tokenize.dedupe == "exact":
-            what, matched = "exact duplicates", dedupe.exact(tk.extra["hash"][candidates])
-        else:
-            what = f"near duplicates (similarity >= {opts.dedupe_threshold})"
-            matched = dedupe.near(tk.minhash[candidates], opts.dedupe_threshold)
-        repeated = np.zeros(len(keep), dtype=bool)
-        repeated[candidates[matched >= 0]] = True
-        drop(what, repeated)
+        keys = tk.extra["hash"] if opts.tokenize.dedupe == "exact" else tk.minhash
+        what, matched = dedupe.among(opts.tokenize.dedupe, keys, keep, opts.dedupe_threshold)
+        drop(what, matched >= 0)
     if fmt != "text":
         too_long = (lengths > block) & keep
         if keep.any() and too_long.sum() == keep.sum():

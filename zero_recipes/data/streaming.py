@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from . import formats, packing, sources
+from . import cleaning, formats, packing, sources
 from .options import DataOptions
-from .pipeline import Prepared, check_cleaning
+from .pipeline import Prepared
 
 CHUNK = 256  # examples tokenised per call
 
@@ -30,7 +30,7 @@ def prepare_stream(cfg, tok, rank: int, world: int, log) -> Prepared:
     opts = DataOptions.from_config(cfg, spec)
     fmt, how = formats.detect_format(opts.tokenize.format, columns, opts.tokenize.text_column, spec.name)
     opts = opts.resolved(fmt)  # dedupe is off: config.validate_cleaning refuses it with streaming
-    check_cleaning(opts.tokenize, spec.name)
+    cleaning.check_format(opts.tokenize, spec.name)
     log(f"data: {spec.name}: {how}; streaming, sharded over {world} rank(s)")
     if fmt == "messages":
         formats.ensure_chat_template(tok, log)
