@@ -49,6 +49,7 @@ from zero_recipes import (
 from zero_recipes.cli import help_text
 from zero_recipes.engine import make_engine
 from zero_recipes.errors import ConfigError
+from zero_recipes.evaluation import in_training
 from zero_recipes.export import partitioned, verify_export
 from zero_recipes.mesh import picture as mesh_picture
 from zero_recipes.plan import RunPlan
@@ -72,7 +73,7 @@ def main(argv: list[str], instrument=None) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
     if plan.cfg.dry_run:
         return dry_run(plan, log)
-    report_to, resume_request, stop = start_processes(plan, log)
+    report_to, resume_request, live_tasks, stop = start_processes(plan, log)
     tokenizer, prepared, order = load_data(plan, rank, log)
     plan = plan.complete(plan.steps_to_train(order.per_rank), tokenizer)  # zero.Init reads the filled config
     run_dir.start_run(plan, rank)
@@ -101,7 +102,12 @@ def main(argv: list[str], instrument=None) -> int:
         plan.mesh.layout(),
     )
     runner = plan.parallelism.runner(engine, plan, rank, prepared.sft)
-    run = loop.Loop(engine, runner, plan, order, prepared, log_file, checkpointer, stop, rank, log)
+    live_eval = (
+        in_training.LiveEval(plan, live_tasks, tokenizer, prepared, rank, log)
+        if live_tasks or plan.cfg.eval_samples
+        else None
+    )
+    run = loop.Loop(engine, runner, plan, order, prepared, log_file, checkpointer, stop, rank, log, live_eval)
     outcome = loop.fit(instrument(run) if instrument else run, step)
     if not outcome.finished:
         log_file.close()
@@ -121,10 +127,10 @@ def main(argv: list[str], instrument=None) -> int:
 
 def start_processes(plan: RunPlan, log):
     """The checks that need the machine, the inputs, the DeepSpeed ops, then the process group. Returns the
-    trackers and the resume request (check_inputs), and the preemption signal's catcher."""
+    trackers, the resume request and the live eval's tasks (check_inputs), and the preemption signal's catcher."""
     if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
         raise ConfigError("; ".join(problems))
-    report_to, resume_request, _ = check_inputs(plan)
+    report_to, resume_request, live_tasks, _ = check_inputs(plan)
     jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
     threads = distributed.set_threads(distributed.rank_info()[3])
     distributed.init()
@@ -134,7 +140,7 @@ def start_processes(plan: RunPlan, log):
         log(f"config: {note}")
     log(f"distributed: {plan.mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
     plan.parallelism.before_build(plan.cfg, plan.model_config, log)  # collective: Ulysses' attention, its groups
-    return report_to, resume_request, stop
+    return report_to, resume_request, live_tasks, stop
 
 
 def load_data(plan: RunPlan, rank: int, log):
@@ -154,7 +160,8 @@ def load_data(plan: RunPlan, rank: int, log):
 def check_inputs(plan: RunPlan):
     """What needs no process group, checked before one starts (and by --dry_run): the trackers installed, every
     dataset found (under --dry_run a sample of its rows read and checked against the format), output_dir and
-    the resume rules. Returns (trackers, resume request, a line per dataset sampled)."""
+    the resume rules, the live eval's tasks. Returns (trackers, resume request, the lm-eval tasks to run at each
+    evaluation, a line per dataset sampled)."""
     cfg = plan.cfg
     report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
     sampled = data.check(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
@@ -162,7 +169,8 @@ def check_inputs(plan: RunPlan):
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )
     resuming.check_resume_layout(resume_request, plan)
-    return report_to, resume_request, sampled
+    live_tasks = in_training.check(plan)  # --eval_tasks / --eval_samples: refused here, names checked here
+    return report_to, resume_request, live_tasks, sampled
 
 
 def build_model(plan: RunPlan, rank: int, log):
@@ -235,7 +243,7 @@ def dry_run(plan: RunPlan, log) -> int:
     """Everything a launch would check before its process group starts (the plan, the model config and its
     attention, the data, output_dir and resume rules), then what it would run and its memory estimate."""
     cfg, model_config = plan.cfg, plan.model_config
-    _, resume_request, sampled = check_inputs(plan)
+    _, resume_request, _, sampled = check_inputs(plan)
     n = modeling.count_params_meta(model_config)
     tokens = plan.global_batch * cfg.block_size
     ds, notes = plan.ds, list(plan.notes)

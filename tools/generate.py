@@ -18,62 +18,14 @@ import os
 import sys
 from pathlib import Path
 
-from zero_recipes.checkpoint import find_checkpoint
 from zero_recipes.errors import ConfigError
+from zero_recipes.evaluation.model_dir import check_model_dir
+from zero_recipes.evaluation.side_by_side import END_OF_TURN, render_prompt, stop_ids
 from zero_recipes.lora import is_adapter_dir, load_for_inference
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-END_OF_TURN = "<|im_end|>"  # the default ChatML-style template's end of turn (plain text, not a special token)
 
 
 class InputError(Exception):
     pass
-
-
-def check_model_dir(d: Path) -> None:
-    if not d.is_dir():
-        raise InputError(f"{d} is not a directory; give a finished train.py --output_dir or an HF model directory")
-    if is_adapter_dir(d) and (d / "adapter_model.safetensors").is_file():
-        return
-    if not (d / "config.json").is_file() or not any((d / w).is_file() for w in WEIGHTS):
-        try:  # the checkpoint lookup export_hf.py and resume use: an output_dir, its checkpoints/ or a step-N
-            found = find_checkpoint(d)
-        except ConfigError as e:
-            raise InputError(str(e)) from None
-        if found is not None:
-            run = d.parent.parent if d.parent.name == "checkpoints" else d.parent if d.name == "checkpoints" else d
-            raise InputError(
-                f"{d} holds DeepSpeed checkpoints but no exported model (a run stopped before its "
-                f"export, or a checkpoint directory); export one with `python tools/export_hf.py {d} "
-                f"{run}-hf`, then generate from {run}-hf"
-            )
-        raise InputError(
-            f"{d} holds no HF model (config.json and weights); give a finished train.py --output_dir "
-            "or a directory written by tools/export_hf.py"
-        )
-    if not (d / "tokenizer_config.json").is_file() and not (d / "tokenizer.json").is_file():
-        raise InputError(f"{d} has a model but no tokenizer; save the tokenizer there with tokenizer.save_pretrained")
-
-
-def render_prompt(tok, prompt: str, use_template: bool) -> tuple[str, bool]:
-    """(the text fed to the model, whether the chat template made it)."""
-    if use_template and getattr(tok, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
-    return prompt, False
-
-
-def stop_ids(tok, model) -> list[int]:
-    """The tokenizer's EOS, plus the generation config's EOS ids that are special tokens (e.g. an
-    instruct model's end-of-turn). A config EOS that is an ordinary token is left out: models exported before
-    train.py took bos/eos from the tokenizer say 2, which the embedded tokenizer uses for '"', and stopping
-    there would cut answers at the first quote."""
-    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    config_eos = model.generation_config.eos_token_id
-    for i in config_eos if isinstance(config_eos, list) else [config_eos]:
-        if i is not None and i in tok.all_special_ids and i not in ids:
-            ids.append(i)
-    return ids
 
 
 def main(argv: list[str]) -> int:
@@ -96,7 +48,7 @@ def main(argv: list[str]) -> int:
             raise InputError("need --max_new_tokens >= 1, --temperature >= 0 (0 = greedy) and 0 < --top_p <= 1")
         check_model_dir(args.output_dir)
         text = generate(args)
-    except InputError as e:
+    except (InputError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)

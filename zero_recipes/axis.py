@@ -31,6 +31,10 @@ class ParallelAxis:
     """Every step's loss is normalised by its trained tokens (per-slice means would weight slices unequally)."""
     owns_loss = False
     """The axis computes the loss itself (the pipeline's last stage), so train.py's tiled loss is not installed."""
+    live_eval_refusal = None
+    """Why lm-eval cannot run on the live model under this axis (--eval_tasks, --eval_samples), or None. Every
+    rank runs the same requests in the same order, so an axis whose forward takes whole rows on every rank
+    (ZeRO-3's gathers, TP's all-reduces) needs nothing; one that takes slices or stages cannot."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -85,6 +89,10 @@ class Parallelism:
     @property
     def owns_loss(self) -> bool:
         return any(a.owns_loss for a in self.axes)
+
+    @property
+    def live_eval_refusal(self):
+        return next((a.live_eval_refusal for a in self.axes if a.live_eval_refusal), None)
 
     def configure(self, ds: dict) -> None:
         for a in self.axes:

@@ -198,6 +198,17 @@ class TrainConfig:
     """Evaluate once before the first step (a baseline for the curve), as HF's `eval_on_start`."""
     max_eval_batches: int = 50
     """Cap on eval micro-batches per rank, so eval stays cheap on big held-out sets. 0: no cap."""
+    eval_tasks: list = field(default_factory=list)
+    """lm-evaluation-harness tasks run on the live model at each evaluation: lm-eval's names, the shipped
+    ones in eval_tasks/ (docstring_cloze, tiny_instructions) or YAML files. Values go to metrics.jsonl as
+    eval_<task>_<metric>, with eval_tasks_seconds (docs/evaluation.md)."""
+    eval_tasks_limit: float = 0
+    """At most this many examples per task at each evaluation (a fraction if < 1). 0: all."""
+    eval_samples: int = 0
+    """Generate greedy answers to this many held-out prompts at each evaluation, added as a column per step
+    to output_dir/eval_samples.html (and .jsonl). 0: none."""
+    eval_samples_max_new_tokens: int = 48
+    """Generated tokens at most per `eval_samples` answer."""
     save_steps: int = 100
     """Save a DeepSpeed checkpoint every N optimizer steps (and at the end). 0: only at the end."""
     save_total_limit: int = 2
@@ -238,6 +249,10 @@ RUN_CONTROL_FIELDS = {
     "preprocessing_num_workers",
     "cache_dir",
     "max_eval_batches",
+    "eval_tasks",
+    "eval_tasks_limit",
+    "eval_samples",
+    "eval_samples_max_new_tokens",
     "eval_on_start",
     "torch_compile",
     "report_to",
@@ -308,6 +323,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.streaming and cfg.max_steps <= 0:
         raise ConfigError("--streaming needs --max_steps > 0: a stream has no length to count epochs in")
     validate_cleaning(cfg)
+    if cfg.eval_tasks_limit < 0 or cfg.eval_samples < 0 or cfg.eval_samples_max_new_tokens < 1:
+        raise ConfigError(
+            "--eval_tasks_limit and --eval_samples must be >= 0 (0: all tasks' examples, no samples) and "
+            "--eval_samples_max_new_tokens >= 1"
+        )
     if cfg.loss_tile_tokens < 0:
         raise ConfigError(f"--loss_tile_tokens must be >= 0 (0: sized automatically), got {cfg.loss_tile_tokens}")
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:

@@ -20,6 +20,8 @@ from .errors import ConfigError
 
 
 class ExpertParallel(ParallelAxis):
+    live_eval_refusal = "its experts exchange tokens across ranks inside the training step's batches"
+
     def check(self, model_config, ds: dict, cfg) -> tuple[str, ...]:
         """Refuse what AutoEP cannot split; fill the preset it needs from the model's family (the one hook
         that sees both the model config and the DeepSpeed dict), unless the config names its own layout."""

@@ -38,6 +38,8 @@ class Loop:
     stop: StopRequest
     rank: int
     log: Callable[..., None]
+    live_eval: Optional[object] = None
+    """--eval_tasks / --eval_samples on the live model at each evaluation (evaluation.in_training.LiveEval)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ def log_record(
 def run_eval(loop: Loop, step: int) -> None:
     shard, shards = loop.plan.mesh.eval_shard(loop.rank)
     ev = evaluate(loop.runner, loop.prepared, loop.plan.cfg, shard, shards)
+    if loop.live_eval is not None:
+        ev.update(loop.live_eval.run(loop.engine, step))
     if ev:
         loop.log_file.write({"step": step, **ev})
         loop.log(f"eval: step {step} {format_eval(ev)}")
@@ -251,8 +255,15 @@ def evaluate(runner, prepared, cfg, shard: int, shards: int) -> dict:
 
 
 def format_eval(ev: dict) -> str:
-    em = f" exact match {ev['eval_exact_match']:.1%}" if "eval_exact_match" in ev else ""
-    return f"loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}{em}"
+    parts = [f"loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}"] if "eval_loss" in ev else []
+    parts += [f"exact match {ev['eval_exact_match']:.1%}"] if "eval_exact_match" in ev else []
+    tasks = {k[5:]: v for k, v in ev.items() if k.startswith("eval_") and k not in KNOWN_EVAL and "seconds" not in k}
+    parts += [f"{name} {v:.4f}" for name, v in tasks.items()]
+    parts += [f"({ev[k]:.1f} s {k[5:-8]})" for k in ("eval_tasks_seconds", "eval_samples_seconds") if k in ev]
+    return " ".join(parts)
+
+
+KNOWN_EVAL = ("eval_loss", "eval_perplexity", "eval_exact_match")
 
 
 def progress_bar(rank: int, total: int, initial: int):

@@ -32,6 +32,7 @@ PARTITIONS = ("parameters", "uniform")
 class PipelineParallel(ParallelAxis):
     counts_tokens = True  # the loss is normalised by the whole step's label tokens (pipeline_runner.py)
     owns_loss = True  # the last stage's loss_fn (pipeline_model.StepLoss)
+    live_eval_refusal = "each rank holds a stage of the layers, and lm-eval needs the whole model's logits"
 
     def configure(self, ds: dict) -> None:
         block = ds["pipeline"]

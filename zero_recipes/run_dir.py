@@ -33,6 +33,8 @@ RUN_ENTRIES = (
     "checkpoints",
     "tensorboard",
     "plots",
+    "eval_samples.html",  # --eval_samples' page (evaluation/in_training.py)
+    "eval_samples.jsonl",
     "wandb",
     "wandb_run_id",
 )

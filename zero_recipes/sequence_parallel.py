@@ -62,6 +62,7 @@ def adopt_llamafactory_sequence_parallel(ds: dict) -> tuple[str, ...]:
 class SequenceParallel(ParallelAxis):
     owns_attention = True  # register_ulysses wraps the kernel (and packed_attention under it)
     counts_tokens = True  # per-slice means would weight the slices of a row unequally
+    live_eval_refusal = "its attention takes each rank's slice of a row (Ulysses), and lm-eval feeds whole rows"
 
     @staticmethod
     def adopt(ds: dict) -> tuple[str, ...]:

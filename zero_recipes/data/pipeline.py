@@ -174,18 +174,7 @@ def flat_strings(ds, name) -> list[str]:
 def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
     """Prepare one dataset into `out`. Everything that shapes the rows comes from `opts` (which the cache
     key hashes); of `cfg` only the worker count and trust_remote_code are read."""
-    ds = load_split(cfg, spec, source, spec.split)
-    if len(ds) == 0:
-        raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
-    fmt, how = formats.detect_format(opts.tokenize.format, ds.column_names, opts.tokenize.text_column, spec.name)
-    log(f"data: {spec.name}: {how}")
-    if fmt == "messages":
-        formats.ensure_chat_template(tok, log)
-    opts = opts.resolved(fmt)
-    cleaning.check_format(opts.tokenize, spec.name)
-    tk = tokenize(cfg, ds, opts, tok, "tokenising")
-    report = {"documents": len(tk.lengths)}
-    kept = np.flatnonzero(select(tk, opts, spec.name, report))
+    ds, fmt, opts, tk, report, kept = tokenize_and_select(cfg, spec, source, opts, tok, log)
     eval_tk, eval_kept, kept = hold_out(cfg, spec, source, opts, tok, tk, kept)
 
     block = opts.block_size
@@ -259,6 +248,42 @@ def select(tk: Tokenized, opts: DataOptions, name: str, report: dict) -> np.ndar
     if not keep.any():
         raise ConfigError(f"dataset '{name}' is empty after filtering: {summary(report)}; relax the cleaning options")
     return keep
+
+
+def tokenize_and_select(cfg, spec, source, opts: DataOptions, tok, log):
+    """Load one dataset's split, detect its format, tokenise it and choose what is kept. Returns (the source
+    rows, the format, the options resolved for it, the Tokenized rows, the removal report, the kept indices)."""
+    ds = load_split(cfg, spec, source, spec.split)
+    if len(ds) == 0:
+        raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
+    fmt, how = formats.detect_format(opts.tokenize.format, ds.column_names, opts.tokenize.text_column, spec.name)
+    log(f"data: {spec.name}: {how}")
+    if fmt == "messages":
+        formats.ensure_chat_template(tok, log)
+    opts = opts.resolved(fmt)
+    cleaning.check_format(opts.tokenize, spec.name)
+    tk = tokenize(cfg, ds, opts, tok, "tokenising")
+    report = {"documents": len(tk.lengths)}
+    kept = np.flatnonzero(select(tk, opts, spec.name, report))
+    return ds, fmt, opts, tk, report, kept
+
+
+def held_out_examples(cfg, tok, log=lambda *a, **k: None) -> list:
+    """The source rows a run with `cfg` holds out for eval, as `datasets.Dataset`s (one per dataset in the
+    mixture, in order): its eval split, else the seeded share `hold_out` picks. The shipped lm-eval tasks are
+    built from these (zero_recipes/evaluation/shipped_tasks.py), so they hold the same examples as the run's
+    own eval loss and exact match."""
+    out = []
+    for spec in sources.dataset_specs(cfg):
+        source = sources.describe(spec, cfg)
+        opts = DataOptions.from_config(cfg, spec)
+        ds, _, opts, tk, _, kept = tokenize_and_select(cfg, spec, source, opts, tok, log)
+        eval_tk, eval_kept, _ = hold_out(cfg, spec, source, opts, tok, tk, kept)
+        if eval_tk is tk:
+            out.append(ds.select(eval_kept))
+        elif eval_tk is not None:
+            out.append(load_split(cfg, spec, source, spec.eval_split).select(eval_kept))
+    return out
 
 
 def hold_out(cfg, spec, source, opts: DataOptions, tok, tk: Tokenized, kept: np.ndarray):

@@ -1,0 +1,164 @@
+"""Evaluate a finished run: accuracy on tasks through EleutherAI's lm-evaluation-harness, and generations side
+by side for people to read. MODEL_DIR is a train.py output_dir (a full model or a PEFT adapter), a merged
+export, or any HF model directory.
+
+    # the quick start's model on the shipped multiple-choice task (eval_tasks/), offline
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python tools/evaluate.py outputs/tiny-llama --tasks docstring_cloze
+
+    # tiny-sft's exact match on its held-out questions, greedy, with its chat template; lm-eval's own tasks too
+    python tools/evaluate.py outputs/tiny-sft --tasks tiny_instructions hellaswag --limit 200
+
+    # prompts answered by the fine-tuned model and by its base, as an HTML page and JSONL
+    python tools/evaluate.py outputs/tiny-sft --samples prompts.jsonl --compare outputs/tiny-llama
+
+The numbers are lm-eval's: the tool prints the `lm_eval` command that gives the same values. Results go to
+--output (lm-eval's results JSON); the page to --samples_output.{html,jsonl}. docs/evaluation.md says what
+each number means and does not mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from zero_recipes.errors import ConfigError
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir", type=Path, help="a finished train.py --output_dir, an adapter or HF model directory")
+    ap.add_argument("--tasks", nargs="+", default=[], help="lm-eval task names or YAML files (shipped: eval_tasks/)")
+    ap.add_argument("--output", type=Path, help="lm-eval's results JSON (default eval/<model dir name>/results.json)")
+    ap.add_argument("--limit", type=float, help="at most this many examples per task (a fraction if < 1)")
+    ap.add_argument("--batch_size", default="8", help="lm-eval's batch size: a number or 'auto' (default 8)")
+    ap.add_argument(
+        "--chat_template",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="render prompts with the model's chat template: auto = when its tokenizer has one (default)",
+    )
+    ap.add_argument("--samples", type=Path, help="a JSONL of prompts (prompt or messages, optional reference)")
+    ap.add_argument("--compare", type=Path, help="a second model answering the same prompts, e.g. the base")
+    ap.add_argument("--samples_output", type=Path, help="the page's path without suffix (default eval/<name>/samples)")
+    ap.add_argument("--max_new_tokens", type=int, default=64, help="generated tokens at most (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ap.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass when sampling (default 1.0)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    from zero_recipes.evaluation import harness
+    from zero_recipes.evaluation.model_dir import check_model_dir
+
+    if not args.tasks and not args.samples:
+        raise ConfigError("nothing to do: give --tasks NAMES_OR_YAMLS, --samples PROMPTS.jsonl, or both")
+    if args.compare and not args.samples:
+        raise ConfigError("--compare needs --samples PROMPTS.jsonl: it answers the same prompts")
+    for d in filter(None, (args.model_dir, args.compare)):
+        check_model_dir(d, then="evaluate")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit must be > 0, got {args.limit}")
+    out_dir = Path("eval") / args.model_dir.resolve().name
+    prompts, decoding = check_samples(args) if args.samples else (None, None)
+    selection = harness.select_tasks(args.tasks) if args.tasks else None  # before any model loads
+    if selection:
+        evaluate_tasks(args, selection, args.output or out_dir / "results.json")
+    if prompts:
+        write_samples(args, prompts, decoding, args.samples_output or out_dir / "samples")
+    return 0
+
+
+def check_samples(args):
+    from zero_recipes.evaluation import side_by_side
+
+    decoding = side_by_side.Decoding(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat_template=args.chat_template != "off",
+    )
+    decoding.check()
+    return side_by_side.read_prompts(args.samples), decoding
+
+
+def evaluate_tasks(args, selection, output: Path) -> None:
+    from zero_recipes.evaluation import harness
+
+    chat = harness.wants_chat_template(args.chat_template, load_tokenizer(args.model_dir))
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    print(f"lm-eval: {harness.cli_command(args.model_dir, selection, limit, args.batch_size, chat)}", file=sys.stderr)
+    start = time.perf_counter()
+    results = harness.run(
+        "hf",
+        selection,
+        model_args=harness.model_args(args.model_dir),
+        limit=limit,
+        batch_size=args.batch_size,
+        chat_template=chat,
+    )
+    rows = harness.scores(results)
+    print(harness.table(rows))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    results.pop("samples", None)
+    output.write_text(json.dumps(results, indent=2, default=str, ensure_ascii=False))
+    print(f"results: {output} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_model(model_dir: Path):
+    """(model, tokenizer) as a user loads them: GPU in the saved dtype if there is one, else CPU in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zero_recipes.lora import is_adapter_dir, load_for_inference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "auto" if device == "cuda" else torch.float32
+    if is_adapter_dir(model_dir):
+        model = load_for_inference(model_dir, dtype, as_trained=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval(), load_tokenizer(model_dir)
+
+
+def write_samples(args, prompts, decoding, stem: Path) -> None:
+    from zero_recipes.evaluation import side_by_side
+
+    columns = {}
+    for d in filter(None, (args.model_dir, args.compare)):
+        model, tok = load_model(d)
+        start = time.perf_counter()
+        columns[str(d)] = side_by_side.generate(model, tok, prompts, decoding)
+        print(f"samples: {len(prompts)} answers from {d} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        del model
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    title = f"{args.model_dir}" + (f" vs {args.compare}" if args.compare else "")
+    side_by_side.write_side_by_side(stem, prompts, columns, decoding, title)
+    print(f"samples: {stem}.html and {stem}.jsonl ({decoding.describe()})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main(sys.argv[1:]))
