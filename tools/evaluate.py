@@ -68,13 +68,14 @@ def run(args) -> int:
         raise ConfigError("nothing to do: give --tasks NAMES_OR_YAMLS, --samples PROMPTS.jsonl, or both")
     if args.compare and not args.samples:
         raise ConfigError("--compare needs --samples PROMPTS.jsonl: it answers the same prompts")
-    for d in filter(None, (args.model_dir, args.compare)):
-        check_model_dir(d, then="evaluate")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit must be > 0, got {args.limit}")
-    out_dir = Path("eval") / args.model_dir.resolve().name
+    # every input checked before any model loads: the tasks, the prompts, then the model directories
+    selection = harness.select_tasks(args.tasks) if args.tasks else None
     prompts, decoding = check_samples(args) if args.samples else (None, None)
-    selection = harness.select_tasks(args.tasks) if args.tasks else None  # before any model loads
+    for d in filter(None, (args.model_dir, args.compare)):
+        check_model_dir(d, then="evaluate")
+    out_dir = Path("eval") / args.model_dir.resolve().name
     if selection:
         evaluate_tasks(args, selection, args.output or out_dir / "results.json")
     if prompts:

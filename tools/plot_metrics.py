@@ -5,7 +5,8 @@
     python tools/plot_metrics.py runs/a runs/b --json                # also a JSON summary: charts and series
 
 Charts, each written when some run logged its data: loss.png (train loss, eval loss as markers),
-eval_loss.png (perplexity on the right axis), eval_exact_match.png (SFT runs), lr.png, grad_norm.png,
+eval_loss.png (perplexity on the right axis), eval_exact_match.png (SFT runs), eval_tasks.png (--eval_tasks:
+each lm-eval task's metric, with the seconds each evaluation took in the legend), lr.png, grad_norm.png,
 tokens_per_sec.png and memory.png (GPU max allocated, GPU allocated, CPU RSS: whichever were logged).
 Runs are labelled by directory name, with parent directories added where two names are the same.
 """
@@ -121,6 +122,23 @@ def line(key, suffix="", style="-", **kw):
     return draw
 
 
+OWN_EVAL = ("eval_loss", "eval_perplexity", "eval_exact_match", "eval_tasks_seconds", "eval_samples_seconds")
+
+
+def eval_tasks(runs):
+    """Every `eval_<task>_<metric>` that --eval_tasks logged (scores in [0, 1]): colour = run, style = metric;
+    each run's mean seconds per evaluation in its labels, the cost of what is drawn."""
+    keys = sorted({k for _, series in runs for k in series if k.startswith("eval_") and k not in OWN_EVAL})
+
+    def draw(ax, label, series, colour):
+        seconds = series.get("eval_tasks_seconds", {})
+        cost = f" ({np.mean(list(seconds.values())):.1f} s per eval)" if seconds else ""
+        for style, key in zip(["o-", "s--", "^:", "d-.", "v-", "x--"] * 4, keys):
+            line(key, f": {key[5:]}{cost}", style)(ax, label, series, colour)
+
+    return draw
+
+
 def memory(runs):  # colour = run, line style = field; styles go to the fields some run logged, solid first
     logged = [key for key in MEMORY if any(key in series for _, series in runs)]
 
@@ -183,6 +201,7 @@ def main(argv: list[str]) -> int:
             [line("eval_exact_match", "", "o-")],
             "percent",
         ),
+        ("eval_tasks", "lm-eval tasks on the live model", "score", [eval_tasks(runs)], "percent"),
         ("lr", "Learning rate", "learning rate", [line("lr")], "sci"),
         ("grad_norm", "Gradient norm (before clipping)", "global L2 norm (log scale)", [line("grad_norm")], "log"),
         ("tokens_per_sec", "Throughput, all ranks", "tokens/s", [line("tokens_per_sec")], "rate"),

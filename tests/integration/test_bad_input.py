@@ -143,6 +143,25 @@ CASES = [
                                             "gopher"),
          ("--quality_filter gopher judges web documents", "use --drop_garbled and --dedupe for SFT data"),
          runner="process"),
+    Case("--eval_tasks under sequence parallelism", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/sp2.json",
+                                                     "--eval_tasks", "docstring_cloze"),
+         ("--eval_tasks cannot run on this run's live model", "Ulysses", "python tools/evaluate.py")),
+    Case("--eval_samples under pipeline parallelism", ("--deepspeed", "ds_configs/zero1.json", PP2, "--eval_samples",
+                                                       "4"),
+         ("--eval_samples cannot run on this run's live model", "stage", "python tools/evaluate.py")),
+    Case("--eval_tasks with a misspelt task", (*ZERO2, "--eval_tasks", "hellaswg"),
+         ("lm-eval does not know the task 'hellaswg'", "close names: hellaswag")),
+    # ---- tools/evaluate.py: nothing written, nothing loaded before the inputs are checked ----------------
+    Case("evaluate a directory that is not a model", ("{tmp}/m", "--tasks", "docstring_cloze"),
+         ("holds no HF model", "tools/export_hf.py"), files={"m/notes.txt": "mine"}, runner="evaluate"),
+    Case("evaluate a task YAML that does not parse", ("{tmp}/m", "--tasks", "{tmp}/t.yaml"),
+         ("t.yaml does not parse as YAML",), files={"t.yaml": "task: [mine\n"}, runner="evaluate"),
+    Case("evaluate a task YAML without a key", ("{tmp}/m", "--tasks", "{tmp}/t.yaml"),
+         ("t.yaml lacks the key 'doc_to_target'", "new_task_guide.md"),
+         files={"t.yaml": "task: mine\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: '{{q}}'\n"},
+         runner="evaluate"),
+    Case("evaluate prompts that are not JSON lines", ("{tmp}/m", "--samples", "{tmp}/p.jsonl"),
+         ("p.jsonl:2",), files={"p.jsonl": '{"prompt": "hi"}\nnot json\n'}, runner="evaluate"),
     # ---- tools/clean_data.py: nothing written, the input untouched -------------------------------------
     Case("clean_data of a binary file", ("{tmp}/blob.jsonl", "--output", "{tmp}/out.jsonl"),
          ("blob.jsonl is a binary file", "UTF-8 .jsonl"), files={"blob.jsonl": b"\x7fELF\x02\x01\x00\x00" * 64},
@@ -195,7 +214,7 @@ CASES = [
 def error_line(case: Case, args: list[str], port: int) -> str:
     if case.runner == "in-process":
         return refusal(*args, world=2)  # rank 0 of 2: the refusal must come before any rank waits
-    if case.runner in ("export_hf", "estimate_memory", "clean_data"):
+    if case.runner in ("export_hf", "estimate_memory", "clean_data", "evaluate"):
         proc = tool_in_process(case.runner, *args)
     elif case.runner == "process":
         proc = run_train(*args)

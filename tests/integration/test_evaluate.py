@@ -63,12 +63,13 @@ def test_evaluate_tool_gives_the_lm_eval_clis_numbers(pretrained, tmp_path):
 
 
 def memorise_files(tmp_path):
-    """32 checkable chat examples, trained on and evaluated on (an eval split equal to the train split), so a
-    few dozen steps move exact match off 0; and an lm-eval task over the same file, as a user writes one."""
+    """16 checkable chat examples, trained on and evaluated on (an eval split equal to the train split), so a
+    few dozen steps move exact match off 0 (the session's base has trained 8 steps); and an lm-eval task over
+    the same file, as a user writes one."""
     from zero_recipes.data.builtin import instruction_examples
 
     data = tmp_path / "qa.jsonl"
-    data.write_text("".join(json.dumps(e) + "\n" for e in instruction_examples(32, seed=1)))
+    data.write_text("".join(json.dumps(e) + "\n" for e in instruction_examples(16, seed=1)))
     task = tmp_path / "qa.yaml"
     task.write_text(
         "task: qa_memorised\ndataset_path: json\n"
@@ -85,19 +86,19 @@ def test_eval_tasks_on_the_live_zero3_model_agree_with_training_and_the_export(p
     data, task = memorise_files(tmp_path)
     args = ["--recipe", "recipes/tiny-sft.yaml", "--model_name_or_path", pretrained]
     args += ["--deepspeed", "ds_configs/zero3.json", "--dataset_name", data, "--eval_split", "train"]
-    args += ["--validation_split_percentage", "0", "--per_device_train_batch_size", "8", "--max_steps", "60"]
-    args += ["--eval_steps", "30", "--eval_on_start", "false", "--logging_steps", "10", "--save_steps", "0"]
+    args += ["--validation_split_percentage", "0", "--per_device_train_batch_size", "8", "--max_steps", "80"]
+    args += ["--eval_steps", "40", "--eval_on_start", "false", "--logging_steps", "10", "--save_steps", "0"]
     args += ["--eval_tasks", task, "docstring_cloze", "--eval_tasks_limit", "16", "--eval_samples", "3"]
     run = launch([str(a) for a in args], tmp_path / "run", env=OFFLINE).check()
     evals = [r for r in run.records if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [30, 60]
+    assert [r["step"] for r in evals] == [40, 80]
     for r in evals:
         assert {"eval_qa_memorised_exact_match", "eval_docstring_cloze_acc", "eval_docstring_cloze_acc_norm"} <= set(r)
         assert r["eval_tasks_seconds"] > 0 and r["eval_samples_seconds"] > 0
     last = evals[-1]
-    # the same 32 questions, greedy: train.py's teacher-forced exact match and lm-eval's generated one
+    # the same 16 questions, greedy: train.py's teacher-forced exact match and lm-eval's generated one
     assert last["eval_exact_match"] > 0.1, last
-    assert abs(last["eval_qa_memorised_exact_match"] - last["eval_exact_match"]) <= 1 / 32, last
+    assert abs(last["eval_qa_memorised_exact_match"] - last["eval_exact_match"]) <= 1 / 16, last
     assert "qa_memorised_exact_match" in run.log  # the eval line names them
     # the export, through tools/evaluate.py: the live model's lm-eval numbers
     out = tool(run.output_dir, "--tasks", task, "docstring_cloze", "--limit", 16, "--output", tmp_path / "r.json")
@@ -107,10 +108,15 @@ def test_eval_tasks_on_the_live_zero3_model_agree_with_training_and_the_export(p
     assert results["docstring_cloze"]["acc,none"] == last["eval_docstring_cloze_acc"]
     # the side-by-side page: a column per evaluation, the held-out prompts with their references
     records = [json.loads(x) for x in (run.output_dir / "eval_samples.jsonl").read_text().splitlines()]
-    assert [r["column"] for r in records] == ["step 30"] * 3 + ["step 60"] * 3
+    assert [r["column"] for r in records] == ["step 40"] * 3 + ["step 80"] * 3
     assert all(r["reference"] for r in records)
     page = (run.output_dir / "eval_samples.html").read_text()
-    assert "step 30" in page and "step 60" in page and records[0]["reference"] in page
+    assert "step 40" in page and "step 80" in page and records[0]["reference"] in page
+    # the chart: each task's metric, its cost in the legend
+    plot = subprocess.run([sys.executable, "tools/plot_metrics.py", run.output_dir, "--out", tmp_path / "plots",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    series = json.loads(plot.stdout.splitlines()[-1])["eval_tasks"]["series"]
+    assert any("qa_memorised_exact_match" in s and "s per eval)" in s for s in series), series
 
 
 def test_eval_tasks_with_lora_equal_the_adapters_export(pretrained, tmp_path):
