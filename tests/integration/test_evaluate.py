@@ -30,7 +30,12 @@ def tool(*args, env=None):
 
 def lm_eval_cli(*args):
     return subprocess.run(
-        ["lm_eval", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE}
+        ["lm_eval", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **OFFLINE},
     )
 
 
