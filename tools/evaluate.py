@@ -126,35 +126,21 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def load_model(model_dir: Path):
-    """(model, tokenizer) as a user loads them: GPU in the saved dtype if there is one, else CPU in fp32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from zero_recipes.lora import is_adapter_dir, load_for_inference
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "auto" if device == "cuda" else torch.float32
-    if is_adapter_dir(model_dir):
-        model = load_for_inference(model_dir, dtype, as_trained=False)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval(), load_tokenizer(model_dir)
-
-
 def write_samples(args, prompts, decoding, stem: Path) -> None:
     from zero_recipes.evaluation import side_by_side
+    from zero_recipes.evaluation.model_dir import load
 
-    columns = {}
+    columns, described = {}, {}
     for d in filter(None, (args.model_dir, args.compare)):
-        model, tok = load_model(d)
+        model, tok = load(d)
+        described[str(d)] = decoding.describe(tok)  # each column says whether its tokenizer had a template
         start = time.perf_counter()
         columns[str(d)] = side_by_side.generate(model, tok, prompts, decoding)
         print(f"samples: {len(prompts)} answers from {d} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         del model
     stem.parent.mkdir(parents=True, exist_ok=True)
     title = f"{args.model_dir}" + (f" vs {args.compare}" if args.compare else "")
-    side_by_side.write_side_by_side(stem, prompts, columns, decoding, title)
+    side_by_side.write_side_by_side(stem, prompts, columns, described, title)
     print(f"samples: {stem}.html and {stem}.jsonl ({decoding.describe()})", file=sys.stderr)
 
 

@@ -19,9 +19,7 @@ import sys
 from pathlib import Path
 
 from zero_recipes.errors import ConfigError
-from zero_recipes.evaluation.model_dir import check_model_dir
-from zero_recipes.evaluation.side_by_side import END_OF_TURN, render_prompt, stop_ids
-from zero_recipes.lora import is_adapter_dir, load_for_inference
+from zero_recipes.evaluation.model_dir import check_model_dir, load
 
 
 class InputError(Exception):
@@ -56,54 +54,22 @@ def main(argv: list[str]) -> int:
 
 
 def generate(args) -> str:
-    import torch
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from zero_recipes.evaluation import side_by_side
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        tok = AutoTokenizer.from_pretrained(args.output_dir)
-        # GPU: the saved dtype (bf16 stays bf16). CPU: fp32, since CPU bf16/fp16 kernels are slow or missing.
-        dtype = "auto" if device == "cuda" else torch.float32
-        if is_adapter_dir(args.output_dir):  # LoRA: the base the adapter names, then the adapter (peft)
-            model = load_for_inference(args.output_dir, dtype, as_trained=False)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=dtype)
-    except (OSError, ValueError, SafetensorError) as e:
-        raise InputError(
-            f"cannot load the model in {args.output_dir}: {str(e).splitlines()[0]}; check that it is "
-            "a complete HF model directory, or export the run's checkpoint again with tools/export_hf.py"
-        ) from None
-    model.to(device).eval()
-    prompt, templated = render_prompt(tok, args.prompt, not args.no_chat_template)
-    # a chat template writes its own BOS if it wants one; raw text gets the tokenizer's usual specials
-    enc = tok(prompt, return_tensors="pt", add_special_tokens=not templated).to(device)
-    if enc.input_ids.shape[1] == 0:
-        raise InputError("the prompt is empty; give some text to continue")
-    if args.show_prompt:
-        how = "chat template" if templated else "raw text"
-        print(f"prompt ({how}, {enc.input_ids.shape[1]} tokens):\n{prompt}\n--- end of prompt", file=sys.stderr)
-    stop = [END_OF_TURN] if templated and END_OF_TURN in prompt else None
-    sampling = (
-        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
-        if args.temperature > 0
-        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    model, tok = load(args.output_dir)
+    decoding = side_by_side.Decoding(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat_template=not args.no_chat_template,
     )
-    torch.manual_seed(args.seed)
-    eos = stop_ids(tok, model) or None
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0] if eos else None
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=args.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            stop_strings=stop,
-            tokenizer=tok if stop else None,
-            **sampling,
-        )
-    text = tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
-    return text.split(END_OF_TURN)[0] if stop else text
+    if args.show_prompt:
+        prompt, templated = side_by_side.render_prompt(tok, args.prompt, decoding.chat_template)
+        how = "chat template" if templated else "raw text"
+        n = len(tok(prompt, add_special_tokens=not templated).input_ids)
+        print(f"prompt ({how}, {n} tokens):\n{prompt}\n--- end of prompt", file=sys.stderr)
+    return side_by_side.generate(model, tok, [args.prompt], decoding)[0]
 
 
 if __name__ == "__main__":

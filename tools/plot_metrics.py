@@ -122,6 +122,8 @@ def line(key, suffix="", style="-", **kw):
     return draw
 
 
+OPT_IN = ("eval_tasks",)
+"""Charts of what a run logs only when asked (--eval_tasks): their absence is not worth a line."""
 OWN_EVAL = ("eval_loss", "eval_perplexity", "eval_exact_match", "eval_tasks_seconds", "eval_samples_seconds")
 
 
@@ -214,7 +216,8 @@ def main(argv: list[str]) -> int:
         for name, title, ylabel, draws, y_style in specs:
             fig = chart(title, ylabel, runs, draws, y_style)
             if fig is None:
-                print(f"skipped {name}.png: no run logged it", file=sys.stderr)
+                if name not in OPT_IN:
+                    print(f"skipped {name}.png: no run logged it", file=sys.stderr)
                 continue
             path = out / f"{name}.png"
             fig.savefig(path, dpi=110)

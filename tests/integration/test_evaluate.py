@@ -91,7 +91,8 @@ def test_eval_tasks_on_the_live_zero3_model_agree_with_training_and_the_export(p
     data, task = memorise_files(tmp_path)
     args = ["--recipe", "recipes/tiny-sft.yaml", "--model_name_or_path", pretrained]
     args += ["--deepspeed", "ds_configs/zero3.json", "--dataset_name", data, "--eval_split", "train"]
-    args += ["--validation_split_percentage", "0", "--per_device_train_batch_size", "8", "--max_steps", "80"]
+    args += ["--validation_split_percentage", "0", "--packing", "false", "--per_device_train_batch_size", "8"]
+    args += ["--max_steps", "80"]
     args += ["--eval_steps", "40", "--eval_on_start", "false", "--logging_steps", "10", "--save_steps", "0"]
     args += ["--eval_tasks", task, "docstring_cloze", "--eval_tasks_limit", "16", "--eval_samples", "3"]
     run = launch([str(a) for a in args], tmp_path / "run", env=OFFLINE).check()
@@ -140,6 +141,18 @@ def test_eval_tasks_with_lora_equal_the_adapters_export(pretrained, tmp_path):
     assert results["docstring_cloze"]["acc,none"] == last["eval_docstring_cloze_acc"]
     assert results["docstring_cloze"]["acc_norm,none"] == last["eval_docstring_cloze_acc_norm"]
     assert results["tiny_instructions"]["exact_match,none"] == last["eval_tiny_instructions_exact_match"]
+    # the adapter's answers beside its base's, on a page
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "What is 2 plus 3?", "answer": "5"}\n{"prompt": "Sort the digits: 3 1 2"}\n')
+    page = tool(run.output_dir, "--samples", prompts, "--compare", pretrained, "--samples_output", tmp_path / "page")
+    assert page.returncode == 0, page.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "page.jsonl").read_text().splitlines()]
+    assert [(r["column"], r["reference"]) for r in records] == [
+        (str(run.output_dir), "5"), (str(run.output_dir), None), (str(pretrained), "5"), (str(pretrained), None)
+    ]  # fmt: skip
+    assert "chat template" in records[0]["decoding"] and "raw text" in records[2]["decoding"]
+    html = (tmp_path / "page.html").read_text()
+    assert "What is 2 plus 3?" in html and str(pretrained) in html and "greedy" in html
 
 
 def test_shipped_tasks_hold_the_runs_held_out_examples():

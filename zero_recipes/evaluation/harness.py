@@ -63,7 +63,9 @@ def read_task_yaml(path: Path) -> dict:
         raise ConfigError(f"task file {path} does not exist")
     try:
         config = load_yaml(str(path), resolve_func=False)
-    except Exception as e:  # yaml.YAMLError, or a constructor lm-eval does not know
+    except Exception as e:  # yaml.YAMLError, a constructor lm-eval does not know, or not a mapping
+        if "Expected YAML dict" in str(e):
+            raise ConfigError(f"task file {path} is not a YAML mapping of lm-eval task keys") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"task file {path} does not parse as YAML: {first}") from None
     if not isinstance(config, dict):

@@ -35,3 +35,28 @@ def check_model_dir(d: Path, then: str = "generate from") -> None:
         )
     if not (d / "tokenizer_config.json").is_file() and not (d / "tokenizer.json").is_file():
         raise ConfigError(f"{d} has a model but no tokenizer; save the tokenizer there with tokenizer.save_pretrained")
+
+
+def load(d: Path):
+    """(model, tokenizer) as a user loads them: on the GPU in the saved dtype if there is one, else on the CPU
+    in fp32 (CPU bf16/fp16 kernels are slow or missing); a LoRA adapter onto the base it names (peft)."""
+    import torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..lora import load_for_inference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "auto" if device == "cuda" else torch.float32
+    try:
+        tok = AutoTokenizer.from_pretrained(d)
+        if is_adapter_dir(d):
+            model = load_for_inference(d, dtype, as_trained=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ConfigError(
+            f"cannot load the model in {d}: {str(e).splitlines()[0]}; check that it is a complete HF model "
+            "directory, or export the run's checkpoint again with tools/export_hf.py"
+        ) from None
+    return model.to(device).eval(), tok
