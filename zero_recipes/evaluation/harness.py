@@ -40,6 +40,15 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # its warning that a model object means one process: train.py's ranks each run the same requests on purpose
     logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
+    # and the one that every task with a `custom_dataset` loader (the shipped ones) may take --metadata kwargs
+    task_log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _NoMetadataHint) for f in task_log.filters):
+        task_log.addFilter(_NoMetadataHint())
+
+
+class _NoMetadataHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
 
 
 @functools.lru_cache(maxsize=4)
