@@ -40,15 +40,19 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # its warning that a model object means one process: train.py's ranks each run the same requests on purpose
     logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
-    # and the one that every task with a `custom_dataset` loader (the shipped ones) may take --metadata kwargs
-    task_log = logging.getLogger("lm_eval.api.task")
-    if not any(isinstance(f, _NoMetadataHint) for f in task_log.filters):
-        task_log.addFilter(_NoMetadataHint())
+    # the hint, for every task with a `custom_dataset` loader (the shipped ones), that it may take --metadata
+    # kwargs, and the note that gen_kwargs update the tasks' (in training: synced_gpus, nothing a task sets)
+    for name in ("lm_eval.api.task", "lm_eval.evaluator"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _Hush) for f in log.filters):
+            log.addFilter(_Hush())
 
 
-class _NoMetadataHint(logging.Filter):
+class _Hush(logging.Filter):
+    HINTS = ("Custom kwargs can be passed to `--metadata`", "specified through cli, these settings will update")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+        return not any(hint in record.getMessage() for hint in self.HINTS)
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,9 +159,11 @@ def run(
     batch_size="1",
     chat_template: bool = False,
     log_samples: bool = False,
+    gen_kwargs: Optional[dict] = None,
 ) -> dict:
-    """`lm_eval.simple_evaluate` with the CLI's defaults. `model`: "hf" with `model_args`, or an lm-eval
-    `LM` (a live model in training: LiveModel). Returns lm-eval's results dict."""
+    """`lm_eval.simple_evaluate` with the CLI's defaults. `model`: "hf" with `model_args`, or an lm-eval `LM`
+    (the live model in training: in_training.LiveEval). `gen_kwargs` join every generation task's settings.
+    Returns lm-eval's results dict (None on a process whose LOCAL_RANK is not 0)."""
     quiet()
     import torch
     from lm_eval import simple_evaluate
@@ -172,6 +178,7 @@ def run(
         limit=limit,
         log_samples=log_samples,
         apply_chat_template=chat_template,
+        gen_kwargs=gen_kwargs,
         task_manager=task_manager(tuple(selection.include), selection.defaults),
         verbosity="WARNING",
     )

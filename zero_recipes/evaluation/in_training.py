@@ -83,7 +83,10 @@ class LiveEval:
         lm = HFLM(pretrained=model, tokenizer=self.tokenizer, batch_size=self.cfg.per_device_eval_batch_size)
         limit = self.cfg.eval_tasks_limit or None
         limit = int(limit) if limit is not None and limit >= 1 else limit
-        results = harness.run(lm, self.selection, limit=limit, chat_template=self.chat)
+        # ZeRO-3: a generation's forwards gather weights from every rank, so each must run as many as the longest
+        # (transformers decides synced_gpus from a ZeRO-3 config object that lives only while the model is built)
+        synced = {"synced_gpus": True} if self.synced else None
+        results = harness.run(lm, self.selection, limit=limit, chat_template=self.chat, gen_kwargs=synced)
         # lm-eval aggregates on the process whose LOCAL_RANK is 0 and returns None elsewhere; rank 0 logs
         scores = harness.flat_metrics(harness.scores(results)) if results is not None else {}
         return {**scores, "eval_tasks_seconds": time.perf_counter() - start}
