@@ -52,7 +52,11 @@ class LiveEval:
         self.cfg, self.selection, self.tokenizer, self.rank = plan.cfg, selection, tokenizer, rank
         self.synced = plan.zero_stage == 3 and plan.world > 1  # ZeRO-3's generate must keep every rank stepping
         self.page = plan.output_dir / SAMPLES_STEM
+        # the prompts are the held-out rows' text as the run trains on it (an SFT row already in its template)
         self.decoding = side_by_side.Decoding(max_new_tokens=plan.cfg.eval_samples_max_new_tokens, chat_template=False)
+        self.described = (
+            f"greedy, at most {self.decoding.max_new_tokens} new tokens, the held-out row's text as trained"
+        )
         self.prompts = held_out_prompts(prepared, tokenizer, plan.cfg.eval_samples) if plan.cfg.eval_samples else []
         if plan.cfg.eval_samples and not self.prompts:
             log("eval: --eval_samples has no held-out rows to take prompts from (a stream without eval data)")
@@ -98,7 +102,7 @@ class LiveEval:
         answers = side_by_side.generate(model, self.tokenizer, self.prompts, self.decoding, synced=self.synced)
         if self.rank == 0:
             title = f"{self.cfg.output_dir}: held-out prompts during training"
-            side_by_side.append_column(self.page, self.prompts, f"step {step}", answers, self.decoding, title)
+            side_by_side.append_column(self.page, self.prompts, f"step {step}", answers, self.described, title)
         return {"eval_samples_seconds": time.perf_counter() - start}
 
 
