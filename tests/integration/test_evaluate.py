@@ -133,19 +133,17 @@ def test_eval_tasks_with_lora_equal_the_adapters_export(pretrained, tmp_path):
     assert (run.output_dir / "adapter_config.json").is_file()
     last = [r for r in run.records if "eval_loss" in r][-1]
     assert last["step"] == 4 and last["eval_tasks_seconds"] > 0
+    # one call: the tasks, and the adapter's answers beside its base's on a page
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "What is 2 plus 3?", "answer": "5"}\n{"prompt": "Sort the digits: 3 1 2"}\n')
     out = tool(run.output_dir, "--tasks", "docstring_cloze", "tiny_instructions", "--limit", 12, "--output",
-               tmp_path / "r.json")  # fmt: skip
+               tmp_path / "r.json", "--samples", prompts, "--compare", pretrained, "--samples_output", tmp_path / "page")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "peft=" in out.stderr  # the adapter on its base, as lm_eval --model_args peft=... loads it
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert results["docstring_cloze"]["acc,none"] == last["eval_docstring_cloze_acc"]
     assert results["docstring_cloze"]["acc_norm,none"] == last["eval_docstring_cloze_acc_norm"]
     assert results["tiny_instructions"]["exact_match,none"] == last["eval_tiny_instructions_exact_match"]
-    # the adapter's answers beside its base's, on a page
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question": "What is 2 plus 3?", "answer": "5"}\n{"prompt": "Sort the digits: 3 1 2"}\n')
-    page = tool(run.output_dir, "--samples", prompts, "--compare", pretrained, "--samples_output", tmp_path / "page")
-    assert page.returncode == 0, page.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "page.jsonl").read_text().splitlines()]
     assert [(r["column"], r["reference"]) for r in records] == [
         (str(run.output_dir), "5"), (str(run.output_dir), None), (str(pretrained), "5"), (str(pretrained), None)
