@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from zero_recipes.errors import ConfigError
+from zero_recipes.evaluation.harness import CHAT_TEMPLATE_MODES
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--chat_template",
         default="auto",
-        choices=("auto", "on", "off"),
+        choices=CHAT_TEMPLATE_MODES,
         help="render prompts with the model's chat template: auto = when its tokenizer has one (default)",
     )
     ap.add_argument("--samples", type=Path, help="a JSONL of prompts (prompt or messages, optional reference)")
@@ -101,7 +102,7 @@ def evaluate_tasks(args, selection, output: Path) -> None:
     from zero_recipes.evaluation import harness
 
     chat = harness.wants_chat_template(args.chat_template, load_tokenizer(args.model_dir))
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    limit = harness.limit_of(args.limit)
     print(f"lm-eval: {harness.cli_command(args.model_dir, selection, limit, args.batch_size, chat)}", file=sys.stderr)
     start = time.perf_counter()
     results = harness.run(

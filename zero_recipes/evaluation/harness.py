@@ -184,6 +184,11 @@ def run(
     )
 
 
+def limit_of(value: Optional[float]):
+    """lm-eval's --limit: a count when >= 1 (40.0 -> 40, as its CLI parses it), else a fraction; None: all."""
+    return int(value) if value is not None and value >= 1 else value
+
+
 def cli_command(model_dir: Path, selection: TaskSelection, limit, batch_size, chat_template: bool) -> str:
     """The `lm_eval` command that gives the same numbers."""
     args = ",".join(f"{k}={v}" for k, v in model_args(model_dir).items())

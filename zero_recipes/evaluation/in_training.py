@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..checkpoint import rng_state, set_rng_state
 from ..errors import ConfigError
 from . import harness
 
@@ -68,16 +68,17 @@ class LiveEval:
             )
 
     def run(self, engine, step: int) -> dict:
-        states = rng_states()
+        state = rng_state()  # what a checkpoint keeps (Python, numpy, torch), which lm-eval reseeds
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         out = {}
         try:
-            with quiet_unless(self.rank == 0):
+            with torch.random.fork_rng(devices=devices), quiet_unless(self.rank == 0):  # and the GPU's
                 if self.selection:
                     out.update(self.tasks(engine.module))
                 if self.prompts:
                     out.update(self.samples(engine.module, step))
         finally:
-            set_rng_states(states)
+            set_rng_state(state)
         return out
 
     def tasks(self, model) -> dict:
@@ -85,8 +86,7 @@ class LiveEval:
 
         start = time.perf_counter()
         lm = HFLM(pretrained=model, tokenizer=self.tokenizer, batch_size=self.cfg.per_device_eval_batch_size)
-        limit = self.cfg.eval_tasks_limit or None
-        limit = int(limit) if limit is not None and limit >= 1 else limit
+        limit = harness.limit_of(self.cfg.eval_tasks_limit or None)
         # ZeRO-3: a generation's forwards gather weights from every rank, so each must run as many as the longest
         # (transformers decides synced_gpus from a ZeRO-3 config object that lives only while the model is built)
         synced = {"synced_gpus": True} if self.synced else None
@@ -126,20 +126,6 @@ def held_out_prompts(prepared, tokenizer, n: int) -> list[dict]:
         answer = tokenizer.decode(reference.tolist(), skip_special_tokens=True)
         prompts.append({"prompt": text, "reference": answer.split("<|im_end|>")[0].strip() or None})
     return prompts
-
-
-def rng_states() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def set_rng_states(states: tuple) -> None:
-    py, np_state, cpu, cuda = states
-    random.setstate(py)
-    np.random.set_state(np_state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 @contextlib.contextmanager
