@@ -19,6 +19,9 @@
     # tools/estimate_memory.py against published GPU measurements (benchmarks/estimator-gpu-public.md)
     python tools/benchmark.py estimator-public          # from benchmarks/estimator-gpu-public.json
 
+    # where the step's time goes (torch.profiler): train.py with per-tensor and fused AdamW vs the HF Trainer
+    python tools/benchmark.py profile                   # 100M Llama; --quick: tiny model, 6 steps
+
     # overlap_comm and bucket sizes: tokens/s and loss parity against the shipped configs
     python tools/benchmark.py settings                  # --quick: tiny model, 4 steps
 
@@ -59,6 +62,7 @@ from bench import (
     settings,
     sft,
     speed,
+    speed_profile,
 )
 
 
@@ -72,6 +76,7 @@ def main(argv: list[str]) -> int:
         estimator,
         estimator_public,
         speed,
+        speed_profile,
         sft,
         settings,
         gpu,

@@ -28,6 +28,7 @@ BUILTIN_INSTRUCTIONS = "builtin:tiny-instructions"
 """The embedded instruction set: generated chat examples with checkable answers (recipes/tiny-sft.yaml)."""
 
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "alpaca", "messages")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # the HF Trainer's `optim` names for torch's AdamW
 
 
 @dataclass
@@ -157,6 +158,9 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch_fused"
+    """`adamw_torch_fused` (one kernel per step, the HF Trainer's default) or `adamw_torch` (torch's per-tensor
+    loop). Ignored when the DeepSpeed config has an `optimizer` block or offloads the optimizer."""
     max_grad_norm: float = 1.0
     """Gradient clipping (DeepSpeed `gradient_clipping`). 0 disables it."""
     num_train_epochs: float = 1.0
@@ -313,6 +317,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"--lr_scheduler_type '{cfg.lr_scheduler_type}' is not supported; use {', '.join(lr_schedule.NAMES)}"
         )
+    if cfg.optim not in OPTIMIZERS:
+        raise unknown_choice_error("optim", cfg.optim, OPTIMIZERS)
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
     if cfg.dataset_format not in DATASET_FORMATS:

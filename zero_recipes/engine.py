@@ -2,7 +2,7 @@
 
 When the DeepSpeed config has its own `optimizer`/`scheduler` blocks, DeepSpeed builds them (with the
 "auto"s already filled). Otherwise, as the HF Trainer does, we build AdamW and the HF Trainer's schedule (lr_schedule.py):
-torch AdamW (fused on CUDA) is bitwise-resumable; with optimizer offload DeepSpeed requires its C++
+torch AdamW (fused, as the HF Trainer's default) is bitwise-resumable; with optimizer offload DeepSpeed requires its C++
 DeepSpeedCPUAdam, which is fast but recomputes beta^t differently after a reload (1-ULP drift, measured).
 """
 
@@ -48,8 +48,11 @@ def adamw(cfg: TrainConfig, groups: list[dict], ds: dict):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, adamw_mode=True)
+    # Fused on every device, as the HF Trainer's default `adamw_torch_fused`: on a CPU torch's default is the
+    # per-tensor loop (foreach is CUDA-only), 8x slower over a ZeRO flat partition and the whole of the 9 % the
+    # Trainer was ahead on the 100M benchmark (docs/speed.md). GPUs were fused before; both resume bitwise.
     return torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=torch.cuda.is_available()
+        groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=cfg.optim == "adamw_torch_fused"
     )
 
 

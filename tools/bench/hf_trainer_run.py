@@ -1,9 +1,9 @@
 """The baseline people would otherwise run: transformers.Trainer (what axolotl and LLaMA-Factory wrap) with the
 same DeepSpeed JSON fragments, model config and seeded init, rows and per-rank order, micro-batch,
-accumulation, steps, optimizer (torch AdamW, the Trainer's default as ours) and schedule as train.py.
+accumulation, steps, optimizer (torch's fused AdamW, the Trainer's default and ours) and schedule as train.py.
 
     PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.hf_trainer_run <train.py flags> --timing_out t.json \
-        [--window 5]
+        [--window 5] [--phases_out p.json]      # p.json: where the step's time goes (bench/phases.py)
 
 Two things the Trainer needs on a CPU (both seen here): accelerate's PartialState must be created with the
 gloo backend before TrainingArguments, or every rank believes it is rank 0; and its bf16 check assumes a
@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from .workload import WindowClock, setup
+from .phases import PhaseProfile, mark_engine_calls
+from .workload import WindowClock, pop_flag, setup
 
 
 def global_order(w) -> list[int]:
@@ -50,6 +51,7 @@ def same_training(cfg) -> dict:
         lr_scheduler_type=cfg.lr_scheduler_type,
         warmup_steps=cfg.warmup_steps,
         seed=cfg.seed,
+        optim=cfg.optim,
     )
 
 
@@ -60,6 +62,7 @@ def main(argv: list[str]) -> int:
 
     from zero_recipes import data, distributed, ds_facts, model as modeling
 
+    argv, phases_out = pop_flag(argv, "--phases_out")
     w = setup(argv)
     cfg = w.cfg
     cuda = torch.cuda.is_available()
@@ -91,10 +94,16 @@ def main(argv: list[str]) -> int:
         return data.collate([train.row(i) for i in indices], w.pad_id)
 
     clock = WindowClock(w)
+    profile = None
+    if phases_out:
+        mark_engine_calls()
+        profile = PhaseProfile(w.window, cfg.max_steps, phases_out, w.rank)
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_done(state.global_step)
+            if profile is not None:
+                profile.step_done(state.global_step)
 
     class InOrder(Trainer):
         def _get_train_sampler(self, train_dataset=None):
