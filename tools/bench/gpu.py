@@ -1,152 +1,170 @@
-"""The GPU benchmark: one prepared script for a single NVIDIA H100/H200, under 8 minutes.
+"""The GPU benchmark: one prepared script for a single NVIDIA H100/H200 that measures everything in one go.
 
-    python tools/benchmark.py gpu                  # writes benchmarks/gpu-DATE.{md,json}
+    python tools/benchmark.py gpu                  # writes benchmarks/gpu-DATE.{md,json}; about 6.7 min on one H200
+    python tools/benchmark.py gpu --quick --out-dir /tmp/bench   # the same code on the CPU, tiny shapes (the test)
 
-A ~1.2B Llama (Llama-3.2-1B's shape), random init, bf16, sequence 2048, trained by train.py for 30 steps on
-one GPU under zero1, zero2, zero3 and zero3 + optimizer offload. For each: steady tokens/s (the first
-window left out), MFU against the dense bf16 peak in zero_recipes/metrics.py (989 TFLOP/s for H100/H200),
-`torch.cuda.max_memory_allocated` from train.py's metrics, and tools/estimate_memory.py's prediction for
-the same launch with the error. Data is the embedded corpus (it needs no network).
+Parts, in order (each one's failure is recorded in the report and the next still runs; bench/gpu_parts.py):
+1. ZeRO-2: a Llama-3.2-1B-shaped model (random init, `--model_config`, no hub), bf16, sequence 2048: tokens/s,
+   MFU against zero_recipes/metrics.py's dense peak (989 TFLOP/s for H100/H200), `max_memory_allocated` against
+   tools/estimate_memory.py's estimate for the same launch;
+2. LoRA r 16 on all-linear of that run's export, the same figures;
+3. MoE: moe.py's GPU Mixtral (1.1B parameters, 8 experts, 2 per token) under ZeRO-2 on one GPU, the same;
+4. TP2, SP2, PP2: one rank's compute at the split shapes (bench/gpu_shapes.py): two ranks cannot share a GPU;
+5. SFT: one round of sft.py's train.py and TRL SFTTrainer runners on one GPU, label tokens/s and their ratio;
+6. ZeRO-3: as 1, if the time budget still allows.
+The plan, with each part's time estimate, is printed first. The full run keeps to a budget (7.5 min): a part
+whose estimate no longer fits is skipped (and listed), and every launch stops at 3x its part's estimate or at
+the budget's end, so one hang cannot eat a 15-minute device lease. Without CUDA, and without --quick, it
+refuses in one line.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
+import contextlib
+import io
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
-from zero_recipes.shipped import PRECISIONS, select
+from . import gpu_parts as parts
+from .common import REPO, new_report, write_report
+from .gpu_report import markdown
 
-from .common import REPO, footer, free_port, new_report, run_checked, write_report
-
-LLAMA_1B = {
-    "model_type": "llama",
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 4096,
-    "rope_theta": 500000.0,
+# name: (what, seconds on one H200, seconds --quick on 2 CPU cores, the part). The H200 seconds are estimates, not
+# measurements (no GPU has run this yet): a launch's start-up as measured on the CPU (imports, DeepSpeed, data from
+# cache: ~15 s) plus the 1B model's seeded init on the host, its steps at ~40 % MFU, the final checkpoint (16 bytes
+# a parameter under ZeRO-2/3: ~18 GB to the page cache) and the export; the first part also builds the tokenizer
+# and the 2048-token blocks. The first GPU run's report gives the real ones (each part's `seconds`).
+PARTS = {
+    "ZeRO-2": ("the dense Llama, ZeRO-2", 80, 25, lambda s, tmp, t: parts.dense(s, "zero2", tmp, t)),
+    "LoRA": ("LoRA r 16 of ZeRO-2's export", 45, 25, parts.lora),
+    "MoE": ("a Mixtral, 8 experts, 2 per token, ZeRO-2", 60, 25, parts.mixture),
+    "TP/SP/PP shapes": ("one rank's compute at TP2, SP2, PP2 shapes", 45, 15, parts.shapes),
+    "SFT vs TRL": ("sft.py's train.py and TRL SFTTrainer runners, one round", 100, 60, parts.sft_vs_trl),
+    "ZeRO-3": ("the dense Llama, ZeRO-3 (if time allows)", 70, 25, lambda s, tmp, t: parts.dense(s, "zero3", tmp, t)),
 }
-CONFIGS = select("zero1", "zero2", "zero3", "zero3+offload_optimizer")
-BF16 = PRECISIONS["bf16"]
-SEQ, MICRO, STEPS, WINDOW = 2048, 4, 30, 5
+BUDGET = 450  # seconds of parts in the full run: under 8 minutes with start-up and the report
+TIMEOUT_FACTOR = 3
+QUICK_TIMEOUT = 900
+SKIPPED = [
+    (
+        "TP2, SP2 and PP2 across two GPUs",
+        "NCCL refuses two ranks on one device: AutoTP's all-reduces, Ulysses' all-to-alls and the pipeline's "
+        "sends and bubble are not measured; one rank's compute at the split shapes is (`benchmark.py parallel "
+        "--gpu` needs 4 GPUs, `pipeline --gpu` 2)",
+    ),
+    ("expert parallelism (EP2)", "needs 2 ranks (`benchmark.py moe --gpu`, 2 GPUs); the MoE part runs every expert"),
+    (
+        "ZeRO-1 and ZeRO-3 + optimizer offload",
+        "ZeRO-1 holds what ZeRO-2 holds on one rank; offload needs DeepSpeed's CPUAdam op, whose JIT build on a "
+        "bare machine can take minutes of the lease",
+    ),
+    (
+        "SFT against the HF Trainer and pretraining text; more SFT rounds",
+        "time: one round of train.py and TRL, so the ratio's interval is over one round's windows",
+    ),
+]
 
 
-def run(name: str, files: tuple[str, ...], tmp: Path) -> dict:
-    out = tmp / name
-    cmd = [
-        "deepspeed",
-        "--num_gpus",
-        "1",
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        "--deepspeed",
-        *files,
-        *BF16,
-        "--model_config",
-        json.dumps(LLAMA_1B),
-        "--block_size",
-        str(SEQ),
-        "--per_device_train_batch_size",
-        str(MICRO),
-        "--max_steps",
-        str(STEPS),
-        "--logging_steps",
-        str(WINDOW),
-        "--eval_steps",
-        "0",
-        "--save_steps",
-        "0",
-        "--learning_rate",
-        "3e-4",
-        "--warmup_steps",
-        "2",
-        "--output_dir",
-        str(out),
-    ]
-    run_checked(cmd, None, 600, f"train.py {name}")
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if "tokens_per_sec" in r][1:]
-    return {
-        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
-        "mfu": statistics.median(r["mfu"] for r in steady),
-        "max_memory_allocated": max(r.get("mem_peak_gb", 0) for r in records) * 2**30,
-        "final_loss": steady[-1]["loss"] if steady else None,
-    }
+def seconds_of(quick: bool) -> dict[str, int]:
+    return {name: p[2] if quick else p[1] for name, p in PARTS.items()}
 
 
-def predicted(files: tuple[str, ...]) -> int:
-    from transformers import AutoConfig
-
-    from zero_recipes import ds_config
-    from zero_recipes.cli import parse_args
-    from zero_recipes.memory import Launch, estimate
-
-    fields = dict(LLAMA_1B)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    cfg, explicit = parse_args(
-        ["--deepspeed", *files, *BF16, "--block_size", str(SEQ), "--per_device_train_batch_size", str(MICRO)]
-    )
-    resolved = ds_config.resolve(ds_config.load_fragments(cfg.deepspeed), cfg, explicit, 1, config.hidden_size)
-    ds = ds_config.with_steps(resolved.ds, resolved.cfg, STEPS)
-    return estimate(config, ds, Launch(1, 1, MICRO, SEQ)).per_gpu["peak_bytes"]
-
-
-def markdown(r: dict) -> str:
+def plan_lines(s: dict, quick: bool) -> list[str]:
+    est = seconds_of(quick)
+    where = "on 2 CPU cores (--quick: tiny shapes, fp32)" if quick else "on one H200"
+    dense = "Llama-3.2-1B shape" if s["dense"] else "the embedded tiny Llama"
     lines = [
-        f"# GPU benchmark, {r['date']}",
-        "",
-        f"Command: `{r['command']}`",
-        "",
-        "| config | tokens/s | MFU | max_memory_allocated GiB | estimate GiB | estimate error |",
-        "|---|---|---|---|---|---|",
+        f"plan: {len(PARTS)} parts, about {sum(est.values()) / 60:.1f} min {where}; the dense Llama: {dense}, "
+        f"{s['precision']}, {s['micro']} x {s['block']} tokens a step, {s['steps']} steps"
     ]
-    for name, x in r["runs"].items():
-        err = x["predicted_bytes"] / x["max_memory_allocated"] - 1 if x["max_memory_allocated"] else float("nan")
+    for i, (name, (what, *_)) in enumerate(PARTS.items(), 1):
+        lines.append(f"  {i}. {name}: {what}, ~{est[name]} s")
+    if not quick:
         lines.append(
-            f"| {name} | {x['tokens_per_sec']:,.0f} | {x['mfu']:.1%} | {x['max_memory_allocated'] / 2**30:.2f} | "
-            f"{x['predicted_bytes'] / 2**30:.2f} | {err:+.1%} |"
+            f"  budget {BUDGET / 60:.1f} min: a part whose estimate no longer fits is skipped; each launch stops "
+            f"at {TIMEOUT_FACTOR}x its part's estimate or at the budget's end"
         )
-    lines += [
-        "",
-        f"- Model: {json.dumps(LLAMA_1B)}; bf16, sequence {SEQ}, micro-batch {MICRO}, {STEPS} steps, "
-        f"windows of {WINDOW} (the first left out). Goal: >= 50 % MFU with ZeRO-2.",
-        *footer(r),
-    ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def run_part(name: str, s: dict, tmp: Path, timeout: int) -> dict:
+    """One part: its figures with status "ok", or "failed" with the error (run_checked exits after printing the
+    child's last output, which is kept here)."""
+    started, err = time.monotonic(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            result = {"status": "ok", **PARTS[name][3](s, tmp, timeout)}
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- a part's failure is a result; the next part runs
+        text = err.getvalue() + ("" if isinstance(e, SystemExit) else traceback.format_exc())
+        print(text[-3000:], file=sys.stderr)
+        result = {"status": "failed", "error": text[-2000:].strip()}
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+def run_parts(s: dict, quick: bool, tmp: Path) -> tuple[dict, list]:
+    est, results, skipped = seconds_of(quick), {}, []
+    started = time.monotonic()
+    for name in PARTS:
+        left = BUDGET - (time.monotonic() - started)
+        if not quick and left < est[name]:
+            skipped.append((name, f"time budget: {left:.0f} s of {BUDGET} s left, the part needs about {est[name]} s"))
+            results[name] = {"status": "skipped", "reason": skipped[-1][1]}
+            print(f"  {name}: skipped ({skipped[-1][1]})", flush=True)
+            continue
+        timeout = QUICK_TIMEOUT if quick else int(min(TIMEOUT_FACTOR * est[name], left))
+        print(f"  {name} (timeout {timeout} s) ...", flush=True)
+        results[name] = run_part(name, s, tmp, timeout)
+        print(f"  {name}: {summary(results[name])}", flush=True)
+    return results, skipped
+
+
+def summary(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['status'].upper()} after {r['seconds']:.0f} s"
+    if "tokens_per_sec" in r:
+        err = r["estimate_error"]
+        return (
+            f"{r['tokens_per_sec']:,.0f} tokens/s, MFU {r['mfu']:.1%}, peak {r['peak_bytes'] / 2**30:.2f} GiB, "
+            f"estimate {r['estimate_bytes'] / 2**30:.2f} GiB ({err:+.1%}); {r['seconds']:.0f} s"
+        )
+    if "shapes" in r:
+        return ", ".join(f"{n} {x['tokens_per_sec']:,.0f} tokens/s" for n, x in r["shapes"].items())
+    return f"train.py / TRL label tokens/s {r['vs_trl']['median']:.2f}; {r['seconds']:.0f} s"
 
 
 def cmd_gpu(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print(
-            "error: no CUDA GPU here; this benchmark needs one (an H100/H200 for the 989 TFLOP/s peak)", file=sys.stderr
-        )
+    if not args.quick and not torch.cuda.is_available():
+        print("error: no CUDA GPU here; this benchmark needs one (an H100/H200: 989 TFLOP/s bf16), or --quick", file=sys.stderr)  # fmt: skip
         return 2
+    s = parts.QUICK if args.quick else parts.FULL
+    print("\n".join(plan_lines(s, args.quick)), flush=True)
+    started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-gpu-"))
-    runs = {}
-    for name, files in CONFIGS.items():
-        runs[name] = run(name, files, tmp)
-        runs[name]["predicted_bytes"] = predicted(files)
-        print(
-            f"  {name}: {runs[name]['tokens_per_sec']:,.0f} tokens/s, MFU {runs[name]['mfu']:.1%}, "
-            f"max allocated {runs[name]['max_memory_allocated'] / 2**30:.2f} GiB",
-            flush=True,
-        )
-    result = new_report(runs=runs)
+    results, budget_skips = run_parts(s, args.quick, tmp)
+    settings = {k: v for k, v in s.items() if k != "sft"} | {"quick": args.quick, "budget_seconds": BUDGET}
+    result = new_report(
+        settings=settings,
+        plan={"seconds": seconds_of(args.quick), "total_seconds": sum(seconds_of(args.quick).values())},
+        parts=results,
+        skipped=[{"what": w, "why": y} for w, y in SKIPPED + budget_skips],
+        wall_seconds=time.monotonic() - started,
+    )
     write_report(args.out_dir, f"gpu-{result['date']}", result, markdown(result))
-    return 0
+    failed = [n for n, r in results.items() if r["status"] == "failed"]
+    print(f"done in {result['wall_seconds'] / 60:.1f} min" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def add_parsers(sub) -> None:
-    g = sub.add_parser("gpu", help="1.2B Llama on one H100/H200: tokens/s, MFU, memory vs the estimate (< 8 min)")
+    g = sub.add_parser(
+        "gpu", help="one H200: 1B ZeRO-2/3 MFU and memory, LoRA, MoE, TP/SP/PP shapes, SFT vs TRL (< 8 min)"
+    )
+    g.add_argument("--quick", action="store_true", help="the same parts on the CPU: tiny shapes, fp32 (for tests)")
     g.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where gpu-DATE.{md,json} go")
     g.set_defaults(func=cmd_gpu)

@@ -1,0 +1,196 @@
+"""The GPU benchmark's parts (tools/bench/gpu.py runs them in order): each measures one thing on one device and
+returns its figures, or raises; gpu.py records a failure and goes on.
+
+Every training run is train.py itself, one rank under torchrun. On a GPU its metrics.jsonl gives tokens/s, MFU
+and `mem_peak_gb` (torch.cuda.max_memory_allocated); on the CPU (--quick) the same launch runs under
+tools/bench/profiled_train.py, whose allocator events give the peak (the CPU logs no device memory). The
+estimate is tools/estimate_memory.py's for the same flags (zero_recipes.memory.for_run, as train.py logs it on
+a GPU: GPU accounting there, the CPU accelerator's one pool under --quick).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from zero_recipes.shipped import PRECISIONS, select
+
+from . import moe, paired, sft
+from .common import free_port, run_checked
+from .lora import VARIANTS as LORA_VARIANTS
+from .parallel import model_fields
+
+LLAMA_1B = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "rope_theta": 500000.0,
+}
+# the SFT comparison's model on a GPU: a 0.25B Llama body on the embedded 4096-token vocabulary
+SFT_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 16}
+SFT_MODEL |= {"num_attention_heads": 16, "num_key_value_heads": 8}
+CONFIGS = select("zero2", "zero3")
+SFT_RUNNERS = ("train.py", "TRL SFTTrainer")
+
+# dense: the model (None: the embedded tiny Llama); block, micro-batch, steps, logging window (the first left out)
+FULL = dict(
+    precision="bf16", dense=LLAMA_1B, block=2048, micro=4, steps=20, window=5, moe_model=moe.SIZES["gpu"]["model"],
+    moe_block=moe.SIZES["gpu"]["block"], moe_micro=moe.SIZES["gpu"]["micro"], shape_steps=10,
+    sft={**sft.FULL, "rounds": 1, "model": SFT_MODEL, "fragments": PRECISIONS["bf16"]},
+)  # fmt: skip
+QUICK = dict(
+    precision="fp32", dense=None, block=64, micro=4, steps=3, window=1, moe_model=moe.TINY, moe_block=64,
+    moe_micro=4, shape_steps=3, sft={**sft.QUICK, "conversations": 24, "block": 256, "longest": 230, "rounds": 1},
+)  # fmt: skip
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def train_flags(s: dict, files: tuple[str, ...], model: dict | None, block: int, micro: int) -> list[str]:
+    """train.py's flags for one rank: the ZeRO files and the precision's, the model, the shape, a short run."""
+    out = ["--deepspeed", *files, *PRECISIONS[s["precision"]], "--block_size", str(block)]
+    out += ["--per_device_train_batch_size", str(micro), "--max_steps", str(s["steps"])]
+    out += ["--logging_steps", str(s["window"]), "--eval_steps", "0", "--save_steps", "0", "--max_eval_batches", "1"]
+    out += ["--learning_rate", "3e-4", "--warmup_steps", "2", "--report_to", "none"]
+    return out + (["--model_config", json.dumps(model)] if model else [])
+
+
+def predicted(argv: list[str]) -> dict:
+    """tools/estimate_memory.py's peak for the run these train.py flags make on one rank (for_run: what train.py
+    itself logs on a GPU). On the CPU accelerator device and host are one pool: the worst phase's sum."""
+    from zero_recipes import memory
+    from zero_recipes.plan import RunPlan
+
+    plan = RunPlan.from_args(argv)
+    plan = plan.complete(plan.cfg.max_steps)
+    e, line = memory.for_run(plan.model_config, plan.ds, plan.cfg, 1)
+    if e is None:
+        raise RuntimeError(line)
+    if cuda():
+        return {"estimate_bytes": e.per_gpu["peak_bytes"], "estimate_phase": e.per_gpu["peak_phase"]}
+    phase = max(e.phases, key=lambda p: memory.rank_total(e, p))
+    return {"estimate_bytes": memory.rank_total(e, phase), "estimate_phase": phase}
+
+
+def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1) -> dict:
+    """train.py with argv on one rank into `out`: steady tokens/s and MFU (median over the logging windows after
+    the first `skip`), the measured peak, the estimate and its error. Leaves `out` (the caller removes it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
+    probe = out.with_name(out.name + "-probe")
+    gpu = cuda()
+    cmd += ["train.py"] if gpu else ["--module", "bench.profiled_train"]
+    cmd += argv + ["--output_dir", str(out)] + ([] if gpu else ["--probe_out", str(probe)])
+    log = run_checked(cmd, None, timeout, f"{name}: {' '.join(cmd)}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if "tokens_per_sec" in r][skip:]
+    if gpu:
+        peak, source = max(r.get("mem_peak_gb", 0) for r in records) * 2**30, "torch.cuda.max_memory_allocated"
+    else:
+        peak, source = json.loads(Path(f"{probe}.rank0.json").read_text())["peak_bytes"], "allocator events"
+    result = {
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady),
+        "windows": len(steady),
+        "final_loss": steady[-1]["loss"],
+        "peak_bytes": int(peak),
+        "peak_source": source,
+        "lora_line": next((x for x in log.splitlines() if x.startswith("lora:")), None),
+        **predicted(argv),
+    }
+    result["estimate_error"] = result["estimate_bytes"] / result["peak_bytes"] - 1 if peak else None
+    return result
+
+
+def dense(s: dict, config: str, tmp: Path, timeout: int) -> dict:
+    """The 1B Llama (the embedded tiny one under --quick) under one ZeRO stage. ZeRO-2's export is kept as the
+    LoRA part's base (its checkpoints removed)."""
+    out = tmp / config
+    argv = train_flags(s, CONFIGS[config], s["dense"], s["block"], s["micro"])
+    try:
+        return {"deepspeed": list(CONFIGS[config]), **train_run(config, argv, out, timeout)}
+    finally:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if config != "zero2":
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def lora(s: dict, tmp: Path, timeout: int) -> dict:
+    """LoRA r 16 on all-linear (lora.py's variant) of the ZeRO-2 part's export, ZeRO-2, same shape and steps."""
+    base = tmp / "zero2"
+    if not (base / "config.json").exists():
+        raise RuntimeError("no base: the ZeRO-2 part left no export")
+    argv = train_flags(s, CONFIGS["zero2"], None, s["block"], s["micro"])
+    argv += ["--model_name_or_path", str(base), *LORA_VARIANTS["lora"]]
+    try:
+        return {"base": "the ZeRO-2 part's export", **train_run("lora", argv, tmp / "lora", timeout)}
+    finally:
+        shutil.rmtree(tmp / "lora", ignore_errors=True)
+
+
+def mixture(s: dict, tmp: Path, timeout: int) -> dict:
+    """moe.py's Mixtral (its GPU size; its tiny one under --quick) under ZeRO-2 on one rank: no expert
+    parallelism, every expert on the device. MFU counts active FLOPs (k experts per token)."""
+    argv = train_flags(s, CONFIGS["zero2"], s["moe_model"], s["moe_block"], s["moe_micro"])
+    try:
+        result = train_run("moe", argv, tmp / "moe", timeout)
+    finally:
+        shutil.rmtree(tmp / "moe", ignore_errors=True)
+    return {"model": s["moe_model"], "parameters": moe.parameters(s["moe_model"]), **result}
+
+
+def shapes(s: dict, tmp: Path, timeout: int) -> dict:
+    """TP2's, SP2's and PP2's per-rank compute at their split shapes, in one process (bench/gpu_shapes.py)."""
+    spec = {"model": model_fields(s["dense"]), "block": s["block"], "micro": s["micro"]}
+    spec |= {"steps": s["shape_steps"], "precision": s["precision"]}
+    out = tmp / "shapes.json"
+    run_checked([sys.executable, "-m", "bench.gpu_shapes", json.dumps(spec), str(out)], None, timeout, "shapes")
+    result = json.loads(out.read_text())
+    full = result["shapes"]["full model"]["step_seconds"]
+    for x in result["shapes"].values():
+        x["step_vs_full"] = x["step_seconds"] / full
+    return result
+
+
+def sft_vs_trl(s: dict, tmp: Path, timeout: int) -> dict:
+    """One round of sft.py's train.py and TRL runners on one rank: label tokens/s, and train.py / TRL paired by
+    window (paired.py) within the round."""
+    import time
+
+    settings = s["sft"]
+    deadline = time.monotonic() + timeout
+    (tmp / "sft").mkdir()
+    work = sft.make_work(tmp / "sft", settings)
+    runs = {}
+    for runner in SFT_RUNNERS:
+        left = max(1, int(deadline - time.monotonic()))
+        runs[runner] = sft.run_one(runner, settings, work, tmp / "sft", "r0", ranks=1, timeout=left)
+        print(f"    {runner}: {sft.line(runs[runner])}", flush=True)
+    runners = {
+        name: {
+            "label_tokens_per_sec": statistics.median(r["label_rates"]),
+            "real_tokens_per_sec": statistics.median(r["real_rates"]),
+            "padding_share": r["padding_share"],
+            "steps": r["steps"],
+            "trained_tokens": r["trained"],
+            "time_to_first_step": r["time_to_first_step"],
+            "eval_loss": r["eval_loss"],
+        }
+        for name, r in runs.items()
+    }
+    label = [{name: r["label_rates"] for name, r in runs.items()}]
+    ratio = paired.ratio(label, *SFT_RUNNERS)
+    model = "embedded tiny Llama" + (f" with {json.dumps(settings['model'])}" if settings.get("model") else "")
+    return {"model": model, "settings": settings, "data_tokens": work["tokens"], "runners": runners, "vs_trl": ratio}
