@@ -60,3 +60,29 @@ def test_sft_benchmark_quick(tmp_path):
     for ratio in r["ratios"].values():
         assert ratio["low"] <= ratio["median"] <= ratio["high"]
     assert "train.py / TRL SFTTrainer, label tokens/s" in report.with_suffix(".md").read_text()
+    # the start-up breakdown (bench/startup.py): each phase found in both runners, nothing counted twice, and
+    # train.py importing none of what it does not use
+    startup = r["startup"]
+    assert set(startup) == {"train.py, cached", "TRL SFTTrainer, cached"}
+    for name, x in startup.items():
+        for phase in ("process group", "tokenizer", "data", "model build", "deepspeed.initialize", "first step"):
+            assert x["phases"].get(phase, 0) > 0, (name, phase, x["phases"])
+        assert x["imports"]["torch"] > 0.3 and x["imports"]["transformers"] > 0.3, (name, x["imports"])
+        assert x["other"] >= 0, (name, x)  # the parts sum to no more than the whole
+    assert startup["TRL SFTTrainer, cached"]["imports"].get("trl", 0) > 0
+    assert not {"trl", "peft", "bitsandbytes"} & set(startup["train.py, cached"]["imports"])
+    assert "Where the time to first step goes" in report.with_suffix(".md").read_text()
+
+
+def test_profile_benchmark_quick(tmp_path):
+    """train.py with the per-tensor and the fused AdamW and the HF Trainer, profiled on the same tiny workload:
+    the engine's forward, backward and step are found in every runner, the collectives and the optimizer's step
+    inside them, and the parts do not add up to more than the step."""
+    report = run_quick("profile", tmp_path, timeout=600)
+    r = json.loads(report.read_text())["runners"]
+    assert list(r) == ["train.py, adamw_torch", "train.py", "HF Trainer"]
+    for name, x in r.items():
+        assert x["steps"] == 4 and min(x["forward"], x["backward"], x["step"], x["collectives"]) > 0, (name, x)
+        assert 0 < x["optimizer"] < x["step"], (name, x)
+        assert x["forward"] + x["backward"] + x["step"] <= x["step_wall"] and x["outside_engine"] >= 0, (name, x)
+        assert "phase:backward" in x["op_table"], name  # rank 0's op table, for reading where the time goes

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from . import packed_rows, paired
+from . import packed_rows, paired, sft_startup
 from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 from .sft_data import as_prompt_completion, padding_share, skewed_chats, write_jsonl
 
@@ -75,11 +75,14 @@ def rendered_length(row: dict, tok) -> int:
 
 
 def flags(runner: str, s: dict, work: dict) -> list[str]:
+    """`s` may also carry `model` (fields over the embedded Llama's) and `fragments` (after zero2.json): the GPU
+    benchmark's (tools/bench/gpu_parts.py) larger bf16 model."""
     out = [
         "--deepspeed",
         "ds_configs/zero2.json",
-        "--model_config",
-        json.dumps({"max_position_embeddings": max(s["block"], 1024)}),  # the embedded tiny Llama, long enough
+        *s.get("fragments", ()),
+        "--model_config",  # the embedded tiny Llama, long enough
+        json.dumps({"max_position_embeddings": max(s["block"], 1024), **s.get("model", {})}),
         "--tokenizer_name_or_path",
         work["tokenizer"],
         "--block_size",
@@ -107,23 +110,37 @@ def flags(runner: str, s: dict, work: dict) -> list[str]:
     return out + ["--eval_file", work["eval"]]
 
 
-def run_one(runner: str, s: dict, work: dict, tmp: Path, tag: str) -> dict:
-    """One launch; what its ranks' probes recorded, summed over ranks step by step."""
-    name = runner.replace(" ", "_").replace(",", "").replace(".", "")
-    out = tmp / "runs" / f"{tag}-{name}"
-    out.mkdir(parents=True)
-    cache = tmp / "caches" / name  # each runner's own: round 1 is its cold start, later rounds cached
+def cache_name(runner: str) -> str:
+    return runner.replace(" ", "_").replace(",", "").replace(".", "")
+
+
+def runner_env(cache: Path) -> dict:
     env = {**os.environ, "ZERO_RECIPES_CACHE": str(cache / "zr"), "HF_DATASETS_CACHE": str(cache / "hf")}
     env.pop("OMP_NUM_THREADS", None)
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *RUNNERS[runner]]
+    return env
+
+
+def command(runner: str, s: dict, work: dict, out: Path, ranks: int = 2) -> list[str]:
+    """The launch of one runner, its probe writing under `out`."""
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), *RUNNERS[runner]]
     cmd += flags(runner, s, work) + ["--probe_out", str(out / "probe")]
     if RUNNERS[runner][1] == "bench.sft_train_run":
         cmd += ["--output_dir", str(out / "run")]
-    run_checked(cmd, env, 7200, f"{runner}: {' '.join(cmd)}")
-    ranks = [json.loads((out / f"probe.rank{r}.json").read_text()) for r in range(2)]
-    n = min(len(r["starts"]) for r in ranks)
-    tokens = [[sum(r["tokens"][i][k] for r in ranks) for i in range(n)] for k in range(3)]
-    return summarise_run(ranks[0]["starts"][:n], tokens, ranks, s)
+    return cmd
+
+
+def run_one(runner: str, s: dict, work: dict, tmp: Path, tag: str, ranks: int = 2, timeout: int = 7200) -> dict:
+    """One launch of `ranks` ranks; what their probes recorded, summed over ranks step by step."""
+    name = cache_name(runner)
+    out = tmp / "runs" / f"{tag}-{name}"
+    out.mkdir(parents=True)
+    env = runner_env(tmp / "caches" / name)  # each runner's own: round 1 is its cold start, later rounds cached
+    cmd = command(runner, s, work, out, ranks)
+    run_checked(cmd, env, timeout, f"{runner}: {' '.join(cmd)}")
+    probes = [json.loads((out / f"probe.rank{r}.json").read_text()) for r in range(ranks)]
+    n = min(len(r["starts"]) for r in probes)
+    tokens = [[sum(r["tokens"][i][k] for r in probes) for i in range(n)] for k in range(3)]
+    return summarise_run(probes[0]["starts"][:n], tokens, probes, s)
 
 
 def summarise_run(starts: list[float], tokens: list[list[int]], ranks: list[dict], s: dict) -> dict:
@@ -156,7 +173,13 @@ def measure(s: dict, tmp: Path) -> dict:
             runs[runner] = run_one(runner, s, work, tmp, f"r{r}")
             print(f"  round {r + 1}/{s['rounds']} {runner}: {line(runs[runner])}", flush=True)
         rounds.append(runs)
-    return {"work": work, "rounds": rounds}
+
+    def env_of(runner: str, fresh: bool) -> dict:  # fresh caches, or the ones the runner's rounds built
+        return runner_env(tmp / ("startup-caches" if fresh else "caches") / cache_name(runner))
+
+    states = ("cached",) if s.get("quick") else sft_startup.STATES  # --quick: no second cold launch
+    startup = sft_startup.measure(lambda runner, out: command(runner, s, work, out), env_of, tmp, states)
+    return {"work": work, "rounds": rounds, "startup": startup}
 
 
 def attention_line(a: dict) -> str:
@@ -204,7 +227,14 @@ def summarise(m: dict, s: dict) -> dict:
         ratios["first_step_vs_trl"] = paired.bootstrap(
             [[rd["train.py"]["time_to_first_step"] / rd["TRL SFTTrainer"]["time_to_first_step"]] for rd in cached]
         )
-    return {"settings": s, "data": m["work"], "runners": runners, "ratios": ratios, "rounds": rounds}
+    return {
+        "settings": s,
+        "data": m["work"],
+        "runners": runners,
+        "ratios": ratios,
+        "rounds": rounds,
+        "startup": m.get("startup", {}),
+    }
 
 
 def markdown(r: dict) -> str:
@@ -263,6 +293,8 @@ def markdown(r: dict) -> str:
         "- first step: process start to the end of the first optimizer step; round 1 ran with empty data caches "
         "(cold), later rounds reused them (cached).",
         *attention_notes(d.get("attention")),
+        *sft_startup.markdown(r.get("startup", {})),
+        "",
         *footer(r),
     ]
     return "\n".join(lines) + "\n"
@@ -287,7 +319,7 @@ def row(what: str, x: dict, goal: str, at_least: bool) -> str:
 
 
 def cmd_sft(args) -> int:
-    s = dict(QUICK if args.quick else FULL)
+    s = dict(QUICK, quick=True) if args.quick else dict(FULL)
     if args.rounds:
         s["rounds"] = args.rounds
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-sft-"))

@@ -1,0 +1,93 @@
+"""The SFT benchmark's breakdown of time to first step, train.py against TRL, cold and cached (bench/startup.py).
+
+For each of the two runners: one launch with fresh data caches (cold) and one with the caches its timed
+rounds built (cached), each stopped when its first optimizer step is done; --quick runs the cached ones only.
+The two ranks' records are averaged. These launches are traced
+(every module's execution is timed), so their totals run a little above the untraced rounds' times, which
+are the ones the ratio is taken on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from .common import free_port, run_checked
+
+RUNNERS = ("train.py", "TRL SFTTrainer")
+STATES = ("cold", "cached")
+ORDER = ("python start", "imports", "process group", "tokenizer", "data", "model build", "deepspeed.initialize")
+ORDER += ("first step", "other")
+
+
+def launch(cmd_of, env_of, runner: str, tmp: Path, state: str) -> dict:
+    """One traced launch; cmd_of(runner, out) is the benchmark's own command, env_of(runner, fresh) its
+    environment: fresh data caches or the ones the runner's timed rounds built."""
+    name = runner.replace(" ", "_").replace(".", "")
+    out = tmp / "startup" / f"{name}-{state}"
+    out.mkdir(parents=True)
+    cmd = cmd_of(runner, out)
+    module = cmd.index("--module")  # `--module bench.X` -> `--module bench.startup --startup_out S bench.X`
+    cmd[module + 1 : module + 1] = ["bench.startup", "--startup_out", str(out / "startup")]
+    cmd[cmd.index("--master_port") + 1] = str(free_port())
+    run_checked(cmd, env_of(runner, state == "cold"), 1800, f"{runner} ({state}, traced)")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("startup.rank*.json"))]
+    return {
+        "time_to_first_step": statistics.mean(r["time_to_first_step"] for r in ranks),
+        "imports": mean_of([r["imports"] for r in ranks]),
+        "phases": mean_of([r["phases"] for r in ranks]),
+        "other": statistics.mean(r["other"] for r in ranks),
+    }
+
+
+def mean_of(records: list[dict]) -> dict:
+    keys = {k for r in records for k in r}
+    return {k: statistics.mean(r.get(k, 0.0) for r in records) for k in keys}
+
+
+def measure(cmd_of, env_of, tmp: Path, states=STATES) -> dict:
+    out = {}
+    for runner in RUNNERS:
+        for state in states:
+            out[f"{runner}, {state}"] = x = launch(cmd_of, env_of, runner, tmp, state)
+            print(f"  traced start-up, {runner} {state}: {x['time_to_first_step']:.1f} s to the first step", flush=True)
+    return out
+
+
+def rows(breakdown: dict) -> dict[str, list[float]]:
+    """Table rows (seconds per column, in breakdown's order): the phases, then each heavy package's imports."""
+    cols = list(breakdown.values())
+    packages = sorted({p for c in cols for p in c["imports"]}, key=lambda p: -max(c["imports"].get(p, 0) for c in cols))
+    table = {}
+    for phase in ORDER:
+        if phase == "imports":
+            table["imports, all"] = [sum(c["imports"].values()) for c in cols]
+            for p in packages:
+                table[f"  import {p}"] = [c["imports"].get(p, 0.0) for c in cols]
+        elif phase == "other":
+            table["other"] = [c["other"] for c in cols]
+        else:
+            table[phase] = [c["phases"].get(phase, 0.0) for c in cols]
+    table["time to first step"] = [c["time_to_first_step"] for c in cols]
+    return table
+
+
+def markdown(breakdown: dict) -> list[str]:
+    if not breakdown:
+        return []
+    lines = [
+        "",
+        "Where the time to first step goes (seconds, mean of the two ranks; tools/bench/startup.py: each module's "
+        "own execution time goes to its package, or to the heavy package that imported it; phases exclude the "
+        "imports inside them; traced launches, so a little slower than the rounds above):",
+        "",
+        "| | " + " | ".join(breakdown) + " |",
+        "|---" * (len(breakdown) + 1) + "|",
+    ]
+    for name, values in rows(breakdown).items():
+        if name.startswith("  import") and max(values) < 0.05:
+            continue
+        label = f"&nbsp;&nbsp;{name.strip()}" if name.startswith("  ") else name
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return lines
