@@ -22,7 +22,7 @@ from ..sequence_parallel import check_split
 from . import moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
-from .states import PHASES, Setup, _bucket, phases
+from .states import PHASES, Setup, _bucket, adam_temporaries, phases
 
 UNITS = {
     "": 1,
@@ -76,10 +76,12 @@ class Launch:
     attn_implementation: str = "sdpa"
     accelerator: str = "gpu"
     """"gpu": device and host apart, by DeepSpeed's GPU code path (states.gpu_phases). "cpu": the CPU accelerator's
-    one pool, with torch's single-tensor AdamW temporaries (states.cpu_phases), for checking against CPU runs."""
+    one pool (states.cpu_phases), for checking against CPU runs."""
+    optim: str = "adamw_torch_fused"
+    """train.py's --optim: the optimizer step's temporaries follow it (states.adam_temporaries)."""
     optimizer_temporaries: int | None = None
-    """Bytes per stepped element the optimizer step allocates (torch's single-tensor AdamW 8, foreach 4, fused 0).
-    None: as train.py runs, i.e. fused AdamW on a GPU (0), single-tensor on the CPU (8)."""
+    """Bytes per stepped element the optimizer step allocates, for another project's optimizer (torch's
+    single-tensor AdamW 8, foreach 4, fused 0). None: train.py's, by `optim` and the accelerator."""
     tiled_loss: bool = True
     """train.py's --tiled_loss: the head and loss over tiles once a micro-batch has more tokens than one tile."""
     loss_tile_tokens: int = 0
@@ -302,7 +304,7 @@ def _setup(shape: ModelShape, dp: int, stage: int, p: int, precision: str, off_o
         off_par,
         zero,
         adam_temporaries=(
-            (8 if launch.accelerator == "cpu" else 0)
+            adam_temporaries(launch.optim, launch.accelerator)
             if launch.optimizer_temporaries is None
             else launch.optimizer_temporaries
         ),
@@ -396,7 +398,7 @@ def rank_total(e: Estimate, phase: str) -> int:
 
 
 def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, str]:
-    """tools/estimate_memory.py's estimate for this train.py run (GPU: with torch's fused AdamW), and it in one
+    """tools/estimate_memory.py's estimate for this train.py run (with its --optim), and it in one
     line for the log. (None, why) when it cannot be made: an estimate must never stop a run."""
     import torch
 
@@ -418,6 +420,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 tiled_loss=getattr(cfg, "tiled_loss", True),
                 loss_tile_tokens=getattr(cfg, "loss_tile_tokens", 0),
                 tiled_mlp=getattr(cfg, "tiled_mlp", False),
+                optim=getattr(cfg, "optim", "adamw_torch_fused"),
             ),
             lora=lora_config(cfg) if enabled(cfg) else None,
             load_in_4bit=cfg.load_in_4bit,

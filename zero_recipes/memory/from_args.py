@@ -181,6 +181,7 @@ def one(args, gpu_memory):
         tiled_loss=cfg.tiled_loss,
         loss_tile_tokens=cfg.loss_tile_tokens,
         tiled_mlp=cfg.tiled_mlp,
+        optim=cfg.optim,
     )
     if getattr(args, "expert_imbalance", None):
         launch.expert_imbalance = args.expert_imbalance

@@ -23,6 +23,16 @@ from dataclasses import dataclass, field, replace
 PHASES = ("init", "forward_backward", "optimizer_step")
 
 
+
+def adam_temporaries(optim: str, accelerator: str) -> int:
+    """Bytes per stepped element that train.py's torch AdamW allocates in its step, by its `optim` (config.OPTIMIZERS).
+    Fused AdamW (the default, on a CPU as on a GPU), DeepSpeed's FusedAdam and DeepSpeedCPUAdam allocate none: 0.
+    Unfused (`adamw_torch`), torch steps one tensor at a time on a CPU, allocating two the size of the tensor it
+    steps (sqrt, then the division): 8; on a GPU it takes the foreach form, one list of them: 4."""
+    if optim == "adamw_torch_fused":
+        return 0
+    return 8 if accelerator == "cpu" else 4
+
 @dataclass
 class Setup:
     num_params: int
@@ -34,9 +44,7 @@ class Setup:
     offload_optimizer: str | None  # None, "cpu" or "nvme"
     offload_param: str | None
     zero: dict = field(default_factory=dict)  # the resolved zero_optimization block
-    # Bytes per stepped element of the optimizer's temporaries. torch's single-tensor AdamW (what runs on a CPU)
-    # allocates two the size of the tensor it steps (sqrt, then the division): 8; its foreach form one list (4).
-    # Fused AdamW on CUDA, DeepSpeed's FusedAdam and DeepSpeedCPUAdam allocate none: 0.
+    # Bytes per stepped element of the optimizer's temporaries (`adam_temporaries` below)
     adam_temporaries: int = 0
     zero_init: bool = True  # ZeRO-3 builds the model straight into partitions
     accelerator: str = "gpu"  # "gpu": device and host apart (gpu_phases); "cpu": one pool (cpu_phases)
