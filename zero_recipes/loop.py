@@ -171,7 +171,7 @@ def stop_non_finite(loop: Loop, bad_step: int, step: int) -> Outcome:
 def open_window(loop: Loop) -> metrics.LogWindow:
     """The first logging window, after the line that states the run's size and the peak MFU is taken against."""
     plan, cfg = loop.plan, loop.plan.cfg
-    peak, peak_source = metrics.device_peak_flops(plan.precision)
+    peak, peak_source = metrics.device_peak_flops(plan.precision, data.cache_root(cfg) / "matmul-peak.json")
     flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
     loop.log(
         f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "

@@ -96,8 +96,11 @@ def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: 
     return 2 * n**3 * iters / (time.perf_counter() - start)
 
 
-def device_peak_flops(dtype_name: str) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from)."""
+def device_peak_flops(dtype_name: str, cache: Path | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from). A measured peak is kept in `cache` (a JSON
+    file) under the device, dtype, threads, ranks on the node and torch version it was measured with, and read
+    back by later runs: the measurement holds the first step back half a second on every CPU launch otherwise,
+    and the device does not change between runs (the figure only sets the MFU's scale)."""
     import torch
 
     if torch.cuda.is_available():
@@ -105,11 +108,50 @@ def device_peak_flops(dtype_name: str) -> tuple[float, str]:
         peak = peak_flops_from_table(name, dtype_name)
         if peak:
             return peak, f"{name} datasheet dense {dtype_name}"
-        return measure_matmul_peak(
-            dtype_name, device="cuda"
-        ), f"{name} not in the peak table: measured {dtype_name} matmul"
-    peak = measure_matmul_peak(dtype_name)
-    return peak, f"measured {dtype_name} matmul, {torch.get_num_threads()} threads"
+        device, source = "cuda", f"{name} not in the peak table: measured {dtype_name} matmul"
+    else:
+        name, device = cpu_name(), "cpu"
+        source = f"measured {dtype_name} matmul, {torch.get_num_threads()} threads"
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    key = f"{name} | {dtype_name} | {torch.get_num_threads()} threads | {ranks} ranks | torch {torch.__version__}"
+    known = _read_json(cache) if cache else {}
+    if key in known:
+        return known[key]["flops"], f"{source} on {known[key]['date']}"
+    peak = measure_matmul_peak(dtype_name, device=device)
+    if cache:
+        _write_json(cache, {**known, key: {"flops": peak, "date": time.strftime("%Y-%m-%d")}})
+    return peak, source
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform's)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again and rewrite it
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Written whole under a per-process name and renamed, so ranks writing at once never leave half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache costs the next run the measurement, nothing more
 
 
 def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak: float) -> float:
