@@ -6,6 +6,8 @@ test_benchmark_memory.py: two files, so that pytest-xdist runs them on both work
 import json
 import statistics
 
+import pytest
+
 from helpers import run_quick
 
 
@@ -71,6 +73,11 @@ def test_sft_benchmark_quick(tmp_path):
         assert x["other"] >= 0, (name, x)  # the parts sum to no more than the whole
     assert startup["TRL SFTTrainer, cached"]["imports"].get("trl", 0) > 0
     assert not {"trl", "peft", "bitsandbytes"} & set(startup["train.py, cached"]["imports"])
+    # the goal's ratio on traced pairs: --quick has the breakdown's one, the same launches' first-step times
+    traced = r["ratios"]["first_step_traced_vs_trl"]
+    ours, trl = (startup[f"{n}, cached"]["time_to_first_step"] for n in ("train.py", "TRL SFTTrainer"))
+    assert traced["pairs"] == 1 and traced["median"] == pytest.approx(ours / trl)
+    assert "traced launch pairs stopped at the first step" in report.with_suffix(".md").read_text()
     assert "Where the time to first step goes" in report.with_suffix(".md").read_text()
 
 

@@ -55,6 +55,19 @@ def measure(cmd_of, env_of, tmp: Path, states=STATES) -> dict:
     return out
 
 
+def pairs(cmd_of, env_of, tmp: Path, count: int) -> list[list[float]]:
+    """`count` more cached launches of each runner, alternating which goes first, each stopped at its first step:
+    [train.py, TRL] seconds to the first step a pair. A launch costs one start-up and one step, not an epoch,
+    so the ratio the goal is on gets many pairs where the timed rounds give one a round."""
+    out = []
+    for i in range(count):
+        order = RUNNERS if i % 2 == 0 else RUNNERS[::-1]
+        times = {r: launch(cmd_of, env_of, r, tmp, f"cached-pair{i}")["time_to_first_step"] for r in order}
+        out.append([times[r] for r in RUNNERS])
+        print(f"  traced pair {i + 1}/{count}: {times[RUNNERS[0]]:.1f} / {times[RUNNERS[1]]:.1f} s", flush=True)
+    return out
+
+
 def rows(breakdown: dict) -> dict[str, list[float]]:
     """Table rows (seconds per column, in breakdown's order): the phases, then each heavy package's imports."""
     cols = list(breakdown.values())
