@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 PHASES = ("init", "forward_backward", "optimizer_step")
 
 
-
 def adam_temporaries(optim: str, accelerator: str) -> int:
     """Bytes per stepped element that train.py's torch AdamW allocates in its step, by its `optim` (config.OPTIMIZERS).
     Fused AdamW (the default, on a CPU as on a GPU), DeepSpeed's FusedAdam and DeepSpeedCPUAdam allocate none: 0.
@@ -32,6 +31,18 @@ def adam_temporaries(optim: str, accelerator: str) -> int:
     if optim == "adamw_torch_fused":
         return 0
     return 8 if accelerator == "cpu" else 4
+
+
+def grad_norm_transient(stage: int, largest: float, world: int) -> float:
+    """Bytes per parameter of ZeRO-2's gradient norm at the step: zero/stage_1_and_2.py `get_grad_norm_direct`
+    takes each param's piece of the rank's grad partition to fp64 (`get_norm_dtype`, wherever the device has
+    fp64) before its norm, one piece at a time: 8 B x the largest piece, at most the partition (`largest`: the
+    largest param as a share of all of them). Hidden under the per-tensor AdamW's 8 B x partition; measured on the
+    CPU once fused AdamW allocated none: +67.6 MB at the step of a 1-rank ZeRO-2 bf16 run whose largest param is
+    8.2M (8 x 8.2M = 65.5 MB). ZeRO-1 runs the same code, but measured less of it (+33.8 MB for 2 ranks where this
+    gives 65.5; none on a pipeline stage), so it is left out there until it is understood."""
+    return 8 * min(largest, 1 / world) if stage == 2 else 0.0
+
 
 @dataclass
 class Setup:
@@ -143,8 +154,9 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
         total = {
             "steady": steady,
             "forward_backward": steady + grads + extra,
-            # the reduced partition, its fp32 copy for the update, and CPU AdamW's temporaries
-            "optimizer_step": steady + (p + 4 + temp) / N,
+            # the reduced partition, its fp32 copy for the update, and the larger of AdamW's temporaries and the
+            # grad norm's fp64 copy of one param's piece under ZeRO-2 (`grad_norm_transient`)
+            "optimizer_step": steady + (p + 4) / N + max(temp / N, grad_norm_transient(s.stage, f, N)),
             # the fp32-built model, its low-precision flat copy, the fp32 partition
             "init": 4 + p + 4 / N,
         }
@@ -256,10 +268,11 @@ def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
                 host_buffers,
             ],
             # `step`: the fp32 grad partition (4/N, `get_flat_partition`) next to the 16-bit one on the device, and
-            # an unfused torch AdamW's temporaries (sqrt, then the division: 8 B per element it steps)
+            # the larger of an unfused torch AdamW's temporaries (sqrt, then the division: 8 B per element it
+            # steps) and the grad norm's fp64 copy of one param's piece (`grad_norm_transient`)
             "optimizer_step": [
                 steady + (0 if off_opt else 4 / N),
-                staging_dev + buckets + (0 if off_opt else (p + temp) / N),
+                staging_dev + buckets + (0 if off_opt else p / N + max(temp / N, grad_norm_transient(s.stage, f, N))),
                 host_states,
                 host_buffers,
             ],
