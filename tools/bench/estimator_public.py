@@ -73,6 +73,7 @@ def estimate_case(case: dict):
         bool(case.get("gradient_checkpointing")),
         case.get("attn_implementation") or "sdpa",
         optimizer_temporaries=ADAM_TEMPORARIES[case.get("optimizer") or "fused"],
+        tiled_loss=False,  # these projects compute the whole vocabulary's logits at once; train.py tiles them
     )
     return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30))
 
