@@ -254,8 +254,8 @@ def add_parsers(sub) -> None:
     e.add_argument("--quick", action="store_true", help="2 points on the small model (for tests)")
     e.add_argument(
         "--only",
-        choices=["lora", "tp", "long"],
-        help="measure only the LoRA, the tensor-parallel or the long-context (SP, tiling) points; the report keeps "
+        choices=["full", "lora", "tp", "long"],
+        help="measure only the full fine-tuning, LoRA, tensor-parallel or long-context (SP, tiling) points; the report keeps "
         "the others as measured before",
     )
     e.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where estimator.{md,json} go")
