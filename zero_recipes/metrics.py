@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from . import moe
+from . import atomic, moe
 
 # Dense (not 2:4 sparse) peak, FLOP/s per device. NVIDIA's headline H100 figure of 1979 is sparse; using
 # it halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
@@ -124,7 +124,7 @@ def device_peak_flops(dtype_name: str, cache: Path | None = None) -> tuple[float
 
 
 def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo, else platform's)."""
+    """The CPU's model name (Linux /proc/cpuinfo; only without it platform's, which runs `uname -p` on Linux)."""
     import platform
 
     try:
@@ -144,14 +144,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    """Written whole under a per-process name and renamed, so ranks writing at once never leave half a file."""
+    """Atomic (ranks measure and write at once); a read-only cache costs the next run the measurement, no more."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value, indent=1))
-        tmp.replace(path)
+        atomic.write_text(path, json.dumps(value, indent=1))
     except OSError:
-        pass  # a read-only cache costs the next run the measurement, nothing more
+        pass
 
 
 def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak: float) -> float:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import write_text
 from ..data.formats import CHAT_ROLES
 from ..errors import ConfigError
 
@@ -235,7 +235,7 @@ def write_side_by_side(out_stem, prompts: list[dict], columns: dict, decoding, t
     """OUT.jsonl and OUT.html from scratch, one column per entry of `columns` (label -> outputs). The page."""
     records = [r for label, outs in columns.items() for r in records_of(prompts, label, outs, decoding)]
     jsonl, page = _paths(out_stem)
-    _write_atomic(jsonl, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_text(jsonl, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_page(page, records, title)
     return page
 
@@ -247,7 +247,7 @@ def append_column(out_stem, prompts: list[dict], label: str, outputs: list[str],
     kept = [r for r in read_records(jsonl) if r["column"] != label] if jsonl.exists() else []
     records = kept + records_of(prompts, label, outputs, decoding)
     # rewritten whole through a temporary file, not appended: a run killed mid-write leaves the old file
-    _write_atomic(jsonl, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_text(jsonl, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_page(page, records, title)
     return page
 
@@ -255,13 +255,6 @@ def append_column(out_stem, prompts: list[dict], label: str, outputs: list[str],
 def _paths(out_stem) -> tuple[Path, Path]:
     stem = str(out_stem)  # not with_suffix: a stem may hold dots ("samples.v2")
     return Path(stem + ".jsonl"), Path(stem + ".html")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def exact_match(output: str, reference: str | None) -> bool:
@@ -315,7 +308,7 @@ def write_page(html_path, records: list[dict], title: str) -> None:
     wide = 360 + 160 * with_ref + 220 * len(columns)
     what = f"{len(rows)} prompts, {len(columns)} column{'s' * (len(columns) != 1)}"
     mark = "; ✓ marks an answer equal to the reference (surrounding whitespace ignored)" if with_ref else ""
-    _write_atomic(
+    write_text(
         Path(html_path),
         f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>"
         f"<style>{CSS}</style></head><body><header><h1>{e(title)}</h1><p class=meta>{what}{mark}</p>"
