@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+from zero_recipes.metrics import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
 TOOLS = REPO / "tools"  # where the `bench` package is imported from (the folder of tools/benchmark.py)
@@ -26,12 +27,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    names = [
-        line.split(":", 1)[1].strip()
-        for line in Path("/proc/cpuinfo").read_text().splitlines()
-        if line.startswith("model name")
-    ]
-    cpu = names[0] if names else platform.processor()  # only then: platform.processor() runs `uname -p` on Linux
+    cpu = cpu_name()
     mem = next(
         int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
     )
