@@ -1,15 +1,65 @@
-"""One way to write a small file so that a reader, or a kill, never sees half of it."""
+"""Writes that a reader, a kill or a full disk never leaves half done: the old file stays until the new one is
+whole. A small file is written under a hidden name and renamed; a set of files (a model or adapter directory)
+is written into a hidden staging directory beside them and renamed in, file by file. What a failure means for
+the run is storage.py's."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
+
+# The weights save_pretrained writes: renamed in first, and any of the previous export's that the new one does
+# not write (a shard count that changed) removed, so the directory never mixes two exports' shards.
+WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*", "adapter_model.*")
+STAGING_PREFIX = ".staging-"
 
 
 def write_text(path: Path, text: str) -> None:
     """Written whole under a hidden per-process name, then renamed over `path`: ranks or processes writing at once
-    leave one complete file, the last one's."""
+    leave one complete file, the last one's; a failed write leaves the previous file and no temporary."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def replaced_files(out_dir: Path):
+    """Yield a staging directory inside `out_dir` (the same filesystem, so a rename moves a file without copying
+    it); once the body has written everything there, each file replaces its namesake in `out_dir`. If the body
+    fails, `out_dir` keeps its previous files untouched and the staging directory is removed: a half-written
+    model.safetensors never replaces a good one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = out_dir / f"{STAGING_PREFIX}{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        stage.mkdir()
+        yield stage
+        publish(stage, out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def is_weights(name: str) -> bool:
+    return any(fnmatch(name, p) for p in WEIGHT_PATTERNS)
+
+
+def publish(stage: Path, out_dir: Path) -> None:
+    """Rename the staged files over their namesakes, weights first (a config is never newer than its weights),
+    then drop the previous export's weight files that this one did not write."""
+    names = sorted(os.listdir(stage), key=lambda n: (not is_weights(n), n))
+    for name in names:
+        target = out_dir / name
+        if (stage / name).is_dir() and target.is_dir():
+            shutil.rmtree(target)
+        os.replace(stage / name, target)
+    if any(is_weights(n) for n in names):
+        for old in os.listdir(out_dir):
+            if is_weights(old) and old not in names and (out_dir / old).is_file():
+                (out_dir / old).unlink()

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from . import storage
 from .errors import ConfigError
 
 LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP, SP and PP sizes and ZeRO stage that saved it
@@ -226,7 +227,10 @@ def save(
     mesh_layout: dict,
 ) -> Path:
     """Save a checkpoint; its manifest, then `latest`, are written only after every rank's files are.
-    `mesh_layout`: the saving mesh's sizes (mesh.Mesh.layout), recorded for a later resume to compare."""
+    `mesh_layout`: the saving mesh's sizes (mesh.Mesh.layout), recorded for a later resume to compare.
+
+    Storage that fails on any rank (a full disk, a read-only remount) stops every rank with one StorageError,
+    after the partial step-N is removed: `latest` and a resume find the newest complete checkpoint, as before."""
     import torch
 
     d = checkpoints_dir(output_dir)
@@ -234,55 +238,125 @@ def save(
     if rank == 0:  # the tag saved again (a resume passed it over as damaged, or a save was killed): its old
         (d / tag / MANIFEST).unlink(missing_ok=True)  # sizes and conversion describe files about to be replaced
         shutil.rmtree(d / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+        # Room first: the disk never holds more than `keep` checkpoints, and a save that fails leaves keep - 1
+        # complete ones. keep 1 rotates only after the save: the one complete checkpoint stays until then.
+        if keep > 1:
+            rotate(output_dir, keep - 1, but=tag)
     torch.distributed.barrier()  # before any rank replaces a file: a kill now must not leave old sizes over new files
-    (d / tag).mkdir(parents=True, exist_ok=True)
-    # RNG and data position per rank: DeepSpeed saves none, dropout streams differ per rank, and a
-    # streamed dataset is read at a different place on each rank.
-    torch.save({**rng_state(), **(rank_state or {})}, d / tag / f"rng_state_{rank}.pt")
-    if rank == 0 and hf_writer is not None:
-        hf_writer(d / tag / HF_FILES)
+    saving = SaveAttempt(engine, output_dir, tag, mesh_layout)
+
+    def own_files() -> None:
+        (d / tag).mkdir(parents=True, exist_ok=True)
+        # RNG and data position per rank: DeepSpeed saves none, dropout streams differ per rank, and a
+        # streamed dataset is read at a different place on each rank.
+        torch.save({**rng_state(), **(rank_state or {})}, d / tag / f"rng_state_{rank}.pt")
+        if rank == 0 and hf_writer is not None:
+            hf_writer(d / tag / HF_FILES)
+        if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
+            sizes = dict(mesh_layout)
+            layout = {"world": sizes.pop("world"), "step": step, "zero_stage": int(engine.zero_optimization_stage())}
+            # "manifest": this save writes one, so a checkpoint of it without one is a save that did not finish
+            (d / tag / LAYOUT).write_text(json.dumps({**layout, **sizes, "manifest": True}))
+
+    saving.step(own_files)
     # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
     # ranks finish theirs (engine.save_checkpoint, 0.19.8), so a rank killed mid-save could leave `latest`
     # naming a partial checkpoint (the kill-in-save test fails that way). Here it is written only after
-    # every rank's files exist, and atomically.
-    if rank == 0:  # what a later resume compares against its own layout ("world": data-parallel ranks)
-        sizes = dict(mesh_layout)
-        layout = {"world": sizes.pop("world"), "step": step, "zero_stage": int(engine.zero_optimization_stage())}
-        # "manifest": this save writes one, so a checkpoint of it without one is a save that did not finish
-        (d / tag / LAYOUT).write_text(json.dumps({**layout, **sizes, "manifest": True}))
-    # A LoRA run's frozen base is the pretrained model: not saved again (its adapter config names it)
-    engine.save_checkpoint(
-        str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)
+    # every rank's files exist, and atomically. A LoRA run's frozen base is the pretrained model: not saved
+    # again (its adapter config names it).
+    saving.step(
+        lambda: engine.save_checkpoint(
+            str(d), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=has_frozen(engine)
+        ),
+        # DeepSpeed's save ends in a barrier, after its writes (engine.py, 0.19.8), where the ranks whose writes
+        # succeeded now wait: a rank whose write raised joins them there before all agree.
+        after_failure=torch.distributed.barrier,
     )
-    torch.distributed.barrier()
-    write_manifest(d / tag, rank)
-    if rank == 0:
-        tmp = d / f"latest.tmp{os.getpid()}"
-        tmp.write_text(tag)
-        os.replace(tmp, d / "latest")
-    torch.distributed.barrier()
+    # The manifest: each rank lists the files it sees with their sizes; rank 0 writes their union, each file at
+    # the largest size any rank saw. Every rank rather than rank 0 alone, because on a network filesystem rank
+    # 0's client may list another node's just-written files late or with a stale size (NFS caches listings and
+    # attributes), while the writer sees its own file whole, and a file only grows while it is written. One
+    # manifest, by rank 0: output_dir must be on a filesystem every node sees (docs/troubleshooting.md).
+    views = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(views, file_sizes(d / tag))
+
+    def manifest_and_latest() -> None:
+        if rank == 0:
+            write_manifest_of(d / tag, views)
+            tmp = d / f"latest.tmp{os.getpid()}"
+            tmp.write_text(tag)
+            os.replace(tmp, d / "latest")
+
+    saving.step(manifest_and_latest)
     if rank == 0 and keep > 0:
-        for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-            shutil.rmtree(old.with_name(old.name + UNIVERSAL_SUFFIX), ignore_errors=True)
+        rotate(output_dir, keep)
     torch.distributed.barrier()
     return d / tag
 
 
-def write_manifest(tag_dir: Path, rank: int) -> None:
-    """Collective, once every rank's files are written. Each rank lists the files it sees with their sizes;
-    rank 0 writes their union, each file at the largest size any rank saw. Every rank rather than rank 0
-    alone, because on a network filesystem rank 0's client may list another node's just-written files late
-    or with a stale size (NFS caches directory listings and attributes), while the writer sees its own file
-    whole, and a file only grows while it is written. One manifest, by rank 0, rather than one per node:
-    output_dir must be on a filesystem every node sees (docs/troubleshooting.md); `latest` is rank 0's alone
-    too, and a checkpoint split across node-local disks cannot be resumed, whatever a manifest said."""
-    import torch
+def rotate(output_dir: Path, keep: int, but: str = "") -> None:
+    """Remove all but the newest `keep` checkpoints (and their universal conversions), leaving `but` alone."""
+    for old in [p for p in list_checkpoints(output_dir) if p.name != but][:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old.with_name(old.name + UNIVERSAL_SUFFIX), ignore_errors=True)
 
-    views = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(views, file_sizes(tag_dir))
-    if rank == 0:
-        write_manifest_of(tag_dir, views)
+
+class SaveAttempt:
+    """One checkpoint save as steps that every rank takes together: after each, the ranks agree whether any
+    failed for want of storage (storage.agree); if one did, the partial tag is removed and every rank raises
+    the same StorageError. The collectives stay matched, so no rank waits for one that gave up."""
+
+    def __init__(self, engine, output_dir: Path, tag: str, mesh_layout: dict):
+        self.engine, self.output_dir, self.tag, self.mesh_layout = engine, output_dir, tag, mesh_layout
+
+    def step(self, writes, after_failure=None) -> None:
+        import torch
+
+        d = checkpoints_dir(self.output_dir)
+        failure = storage.attempt(writes, f"saving checkpoint {self.tag}", d)
+        if failure and after_failure is not None:
+            after_failure()
+        failure = storage.agree(failure)
+        if failure is None:
+            return
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(d / self.tag, ignore_errors=True)
+        torch.distributed.barrier()  # removed before any rank reports, so a relaunch never finds half of it
+        raise storage.StorageError(f"{storage.describe(failure, self.needed_bytes)}. {self.what_remains(d)}")
+
+    def what_remains(self, d: Path) -> str:
+        partial = (
+            f"The partial {self.tag} was removed"
+            if not (d / self.tag).exists()
+            else f"The partial {self.tag} could not be removed; it has no manifest, so a resume passes it over"
+        )
+        newest = latest_tag(self.output_dir)
+        resume = (
+            f"the newest complete checkpoint, {newest}, is what relaunching the same command resumes from"
+            if newest
+            else "no checkpoint was complete before it"
+        )
+        kept = list_checkpoints(self.output_dir)
+        room = (
+            f" ({len(kept)} checkpoints are kept there: a lower --save_total_limit keeps fewer)"
+            if len(kept) > 1
+            else ""
+        )
+        return f"{partial}; {resume}{room}"
+
+    def needed_bytes(self) -> int:
+        """Roughly what one checkpoint takes, all ranks together: the newest complete one's size by its
+        manifest, else the engine's weights in their dtype plus, per trainable parameter, the fp32 master
+        copy and Adam's two moments (12 bytes), times the model-parallel ranks holding other pieces."""
+        newest = latest_tag(self.output_dir)
+        if newest and (files := (read_json(checkpoints_dir(self.output_dir) / newest / MANIFEST) or {}).get("files")):
+            return sum(files.values())
+        total = 0
+        for p in self.engine.module.parameters():
+            n = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partition counts at its full size
+            total += n * (p.element_size() + (12 if p.requires_grad else 0))
+        pieces = self.mesh_layout.get("tensor_parallel", 1) * self.mesh_layout.get("pipeline_parallel", 1)
+        return total * pieces
 
 
 def write_manifest_of(tag_dir: Path, views: list[dict[str, int]]) -> None:

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import expert_parallel, model as modeling
+from . import atomic, expert_parallel, model as modeling, storage
 
 
 def partitioned(module) -> bool:
@@ -118,17 +118,41 @@ def hf_files_writer(model_config, tokenizer):
 
 def export_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
     """Leave a complete HF model directory in `out_dir`, as the HF Trainer does."""
-    import torch
 
     sd = full_state_dict(engine.module, rank)
-    if rank == 0:
+
+    def write(stage: Path) -> None:
         model = engine.module
         model.config.use_cache = True
         if expert_parallel.expert_layers(model):  # saved through the HF class, whose names `sd` now has
             model = modeling.meta_model(model.config)
-        model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-    torch.distributed.barrier()
+        model.save_pretrained(stage, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(stage)
+
+    write_model_dir(out_dir, rank, write, state_bytes(sd))
+
+
+def state_bytes(sd: Optional[dict]) -> Optional[int]:
+    """What a state dict's tensors take on disk, give or take the headers (None off rank 0)."""
+    return None if sd is None else sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def write_model_dir(out_dir: Path, rank: int, write: Callable[[Path], None], needed: Optional[int] = None) -> None:
+    """Collective: rank 0's `write(stage)` fills a staging directory, whose files then replace their namesakes in
+    out_dir (atomic.replaced_files). Should storage fail, the previous export stays whole and every rank stops
+    with the same StorageError, which says where the trained weights still are."""
+
+    def rank0_writes() -> None:
+        if rank == 0:
+            with atomic.replaced_files(out_dir) as stage:
+                write(stage)
+
+    failure = storage.agree(storage.attempt(rank0_writes, "export", out_dir))
+    if failure:
+        raise storage.StorageError(
+            f"{storage.describe(failure, needed)}. {out_dir}'s previous files are untouched; the newest checkpoint "
+            f"holds the trained weights: `python tools/export_hf.py {out_dir} OTHER_DIR` exports it"
+        )
 
 
 def verify_export(

@@ -21,7 +21,7 @@ from typing import Optional
 from .adapter import FullFineTuning
 from .config import TrainConfig
 from .errors import ConfigError
-from .export import gathered_parameters
+from .export import gathered_parameters, state_bytes, write_model_dir
 from .lora_options import ALL_LINEAR
 from .model import meta_model, num_params
 
@@ -144,13 +144,14 @@ def trainable_count(model) -> tuple[int, int]:
 def export_adapter(engine, tokenizer, out_dir: Path, rank: int) -> None:
     """output_dir becomes a PEFT adapter directory: adapter_config.json, adapter_model.safetensors, the
     tokenizer. `PeftModel.from_pretrained(base, out_dir)` loads it."""
-    import torch
 
     sd = gathered_parameters(engine.module, rank, trainable_only=True)
-    if rank == 0:
-        engine.module.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-    torch.distributed.barrier()
+
+    def write(stage: Path) -> None:
+        engine.module.save_pretrained(stage, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(stage)
+
+    write_model_dir(out_dir, rank, write, state_bytes(sd))
 
 
 def quantized_load(dtype) -> dict:
@@ -193,15 +194,16 @@ def peft_model_from(config, trainable: dict, dtype):
 def export_merged(engine, tokenizer, out_dir: Path, rank: int, dtype) -> None:
     """`--merge_lora`: the pretrained base with the trained adapter merged in, saved as a plain HF model.
     Only the adapter is gathered; rank 0 loads the base from where the adapter config says it is."""
-    import torch
 
     sd = gathered_parameters(engine.module, rank, trainable_only=True)
-    if rank == 0:
+
+    def write(stage: Path) -> None:
         merged = peft_model_from(engine.module.peft_config["default"], sd, dtype).merge_and_unload()
         merged.config.use_cache = True
-        merged.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-    torch.distributed.barrier()
+        merged.save_pretrained(stage, safe_serialization=True)
+        tokenizer.save_pretrained(stage)
+
+    write_model_dir(out_dir, rank, write)
 
 
 def is_adapter_dir(path: Path) -> bool:
