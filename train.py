@@ -45,6 +45,7 @@ from zero_recipes import (
     packed_attention,
     resume as resuming,
     run_dir,
+    storage,
 )
 from zero_recipes.cli import help_text
 from zero_recipes.engine import make_engine
@@ -147,14 +148,25 @@ def load_data(plan: RunPlan, rank: int, log):
     """The tokenizer and the data, built by rank 0 while the others wait, then read by everyone. The rows are
     sharded by data-parallel rank: the ranks of a tensor- or sequence-parallel group train on the same batch."""
     cfg, mesh = plan.cfg, plan.mesh
-    tokenizer = distributed.rank0_first(rank, lambda: data.load_tokenizer(cfg))
+    tokenizer = distributed.rank0_first(rank, in_cache(cfg, lambda: data.load_tokenizer(cfg)))
     dp_rank, dp = mesh.dp_rank(rank), mesh.dp
     if cfg.streaming:
-        prepared = data.prepare_stream(cfg, tokenizer, dp_rank, dp, log)
+        prepared = in_cache(cfg, lambda: data.prepare_stream(cfg, tokenizer, dp_rank, dp, log))()
         return tokenizer, prepared, prepared.train
-    prepared = distributed.rank0_first(rank, lambda: data.prepare(cfg, tokenizer, log))
+    prepared = distributed.rank0_first(rank, in_cache(cfg, lambda: data.prepare(cfg, tokenizer, log)))
     order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
     return tokenizer, prepared, order
+
+
+def in_cache(cfg, fn):
+    """`fn`, whose writes go to the data cache: storage that refuses them (a full disk, a cache_dir this user
+    cannot write) is one line, which rank0_first raises on every rank. The cache holds whole entries only."""
+
+    def run():
+        with storage.guarded("preparing the data", data.cache_root(cfg), flag="--cache_dir"):
+            return fn()
+
+    return run
 
 
 def check_inputs(plan: RunPlan):

@@ -363,3 +363,71 @@ def run_quick(name: str, tmp_path, timeout: int):
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     [report] = list(tmp_path.glob(f"{name}-*.json"))
     return report
+
+
+# ---- storage faults: real filesystems, not a patched `open` --------------------------------------------
+# mount(2) called directly (no `mount` process: the unit tier starts none), as root; CI runs as root.
+MS_RDONLY, MS_REMOUNT, MS_BIND, MNT_DETACH = 1, 32, 4096, 2
+
+
+def _mount(source, target: Path, fstype, flags: int, data) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    enc = lambda s: None if s is None else str(s).encode()  # noqa: E731
+    if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(target))
+
+
+@contextmanager
+def tmpfs(path: Path, size: str):
+    """A real tmpfs of `size` (mount's units: 48M) mounted at `path` for the block, unmounted after. The test
+    skips, saying why, where mounting is impossible (not root, no mount(2)): it never passes without one."""
+    import ctypes
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        _mount("tmpfs", path, "tmpfs", 0, f"size={size}")
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    try:
+        yield path
+    finally:
+        ctypes.CDLL(None).umount2(str(path).encode(), MNT_DETACH)
+
+
+def resize(path: Path, size: str) -> None:
+    """Grow or shrink the tmpfs at `path`, as a user frees space or moves to a larger disk."""
+    _mount(None, path, None, MS_REMOUNT, f"size={size}")
+
+
+def read_only(path: Path) -> None:
+    """A read-only remount of the tmpfs at `path`: needs no file there open for writing."""
+    _mount(None, path, None, MS_REMOUNT | MS_RDONLY, None)
+
+
+def read_only_bind(path: Path) -> None:
+    """`path` becomes read-only under a running process: a bind mount of it over itself, remounted read-only.
+    Files the process holds open stay writable (they belong to the mount beneath), as after a remount that
+    the kernel forces; every file opened from now on is refused with EROFS."""
+    _mount(path, path, None, MS_BIND, None)
+    _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+
+
+def fill(path: Path, leave: int = 0) -> Path:
+    """Fill the filesystem at `path` until at most `leave` bytes are free; returns the filler file."""
+    import shutil
+
+    filler = path / "filler.bin"
+    with open(filler, "wb") as f:
+        try:
+            while (free := shutil.disk_usage(path).free) > leave:
+                f.write(b"\0" * max(4096, min(1 << 20, free - leave)))
+                f.flush()
+        except OSError:
+            pass
+    return filler

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from zero_recipes import atomic, storage
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation.harness import CHAT_TEMPLATE_MODES
 
@@ -77,10 +78,17 @@ def run(args) -> int:
     for d in filter(None, (args.model_dir, args.compare)):
         check_model_dir(d, then="evaluate")
     out_dir = Path("eval") / args.model_dir.resolve().name
+    results = (args.output or out_dir / "results.json") if selection else None
+    samples = (args.samples_output or out_dir / "samples") if prompts else None
+    for path, flag in ((results, "--output"), (samples, "--samples_output")):
+        if path is not None:  # before the evaluation, not after it: its hours are not spent to fail at the write
+            storage.check_writable(path.parent, flag)
     if selection:
-        evaluate_tasks(args, selection, args.output or out_dir / "results.json")
+        with storage.guarded("writing the results", results.parent, flag="--output"):
+            evaluate_tasks(args, selection, results)
     if prompts:
-        write_samples(args, prompts, decoding, args.samples_output or out_dir / "samples")
+        with storage.guarded("writing the samples", samples.parent, flag="--samples_output"):
+            write_samples(args, prompts, decoding, samples)
     return 0
 
 
@@ -117,7 +125,7 @@ def evaluate_tasks(args, selection, output: Path) -> None:
     print(harness.table(rows))
     output.parent.mkdir(parents=True, exist_ok=True)
     results.pop("samples", None)
-    output.write_text(json.dumps(results, indent=2, default=str, ensure_ascii=False))
+    atomic.write_text(output, json.dumps(results, indent=2, default=str, ensure_ascii=False))
     print(f"results: {output} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
 
 

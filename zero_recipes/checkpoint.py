@@ -326,7 +326,7 @@ class SaveAttempt:
 
     def what_remains(self, d: Path) -> str:
         partial = (
-            f"The partial {self.tag} was removed"
+            f"No partial {self.tag} is left"
             if not (d / self.tag).exists()
             else f"The partial {self.tag} could not be removed; it has no manifest, so a resume passes it over"
         )

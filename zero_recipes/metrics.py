@@ -8,6 +8,7 @@ weighted sum. Recomputation for gradient checkpointing is not model FLOPs, by MF
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from . import atomic, moe
+from . import atomic, moe, storage
 
 # Dense (not 2:4 sparse) peak, FLOP/s per device. NVIDIA's headline H100 figure of 1979 is sparse; using
 # it halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
@@ -279,17 +280,15 @@ class MetricsLog:
         run_name: str | None = None,
         config: dict | None = None,
     ):
-        self.enabled = enabled
+        self.enabled, self.path, self.warned = enabled, path, False
         if enabled and resumed_at is not None and path.exists():
             keep = [
                 line
                 for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= resumed_at
             ]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            tmp.replace(path)
-        self.f = open(path, "a") if enabled else None
+            self.guard(lambda: atomic.write_text(path, "".join(line + "\n" for line in keep)))
+        self.f = open(path, "ab", buffering=0) if enabled else None  # unbuffered: a line is written or cut back
         self.tb = self.wandb = None
         if enabled and "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
@@ -322,8 +321,7 @@ class MetricsLog:
         if not self.f:
             return
         # floats at full precision: resume tests compare losses bit for bit
-        self.f.write(json.dumps(record) + "\n")
-        self.f.flush()
+        self.guard(lambda: self.append((json.dumps(record) + "\n").encode()))
         # HF's tag names (train/loss, eval/loss), so dashboards built for the Trainer read these runs
         scalars = {
             (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
@@ -335,6 +333,25 @@ class MetricsLog:
                 self.tb.add_scalar(tag, value, record["step"])
         if self.wandb:
             self.wandb.log(scalars, step=record["step"])
+
+    def append(self, line: bytes) -> None:
+        """The whole line or nothing: a write cut short by a full disk is truncated back, so a reader never
+        meets half a record."""
+        start = os.fstat(self.f.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self.f.write(view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.f.fileno(), start)
+            raise
+
+    def guard(self, write) -> None:
+        """metrics.jsonl is a record of the run, not the run: a write that storage refuses costs that record
+        and one warning per launch (storage.or_warn)."""
+        then = "training goes on; later records are appended once there is room (no partial line is left)"
+        self.warned |= not storage.or_warn(write, str(self.path), then, quiet=self.warned)
 
     def close(self) -> None:
         if self.f:

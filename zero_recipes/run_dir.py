@@ -15,6 +15,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
+from . import storage
 from .checkpoint import latest_tag
 from .errors import ConfigError
 from .lora_options import changed_settings
@@ -164,8 +165,6 @@ def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume:
 def check_writable(output_dir: Path) -> None:
     """output_dir, or the nearest folder above it that exists, must be a directory this user can write in.
     Asked by writing a probe file there and removing it: os.access says yes to root on a read-only mount."""
-    import tempfile
-
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output_dir {output_dir} is a file, not a directory; choose another --output_dir")
     existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
@@ -173,14 +172,7 @@ def check_writable(output_dir: Path) -> None:
         raise ConfigError(
             f"--output_dir {output_dir}: {existing} is a file, not a directory; choose another --output_dir"
         )
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".zero-recipes-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(
-            f"--output_dir {output_dir}: cannot write in {existing} ({e.strerror}); choose a directory you can write to"
-        ) from None
+    storage.check_writable(output_dir, "--output_dir")
 
 
 def clear_previous_run(output_dir: Path) -> None:

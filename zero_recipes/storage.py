@@ -16,6 +16,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
@@ -33,6 +34,10 @@ CAUSES = {
 }
 
 
+# torch's and numpy's word for a write the OS cut short: no errno comes with it; the disk filling is the usual cause
+SHORT_WRITE = "a write was cut short, as when the disk fills"
+
+
 class StorageError(ConfigError):
     """A write failed for want of storage. A ConfigError, so train.py prints it as one line, exits non-zero
     and keeps the traceback out of the user's way: the fix is on the machine, not in the code."""
@@ -41,8 +46,9 @@ class StorageError(ConfigError):
 def failure_cause(exc: BaseException) -> Optional[str]:
     """What the filesystem said, in words, when `exc` (or what it was raised from) is a failed write; None for
     anything else. torch.save's zip writer reports ENOSPC as a RuntimeError without an errno ("[enforce fail
-    at inline_container.cc] unexpected pos", "PytorchStreamWriter failed writing file"), safetensors as a
-    SafetensorError that quotes the OS error's code: both are read here, since nothing else would catch them."""
+    at inline_container.cc] unexpected pos", "PytorchStreamWriter failed writing file"), numpy's np.save as an
+    errno-less OSError ("401974 requested and 319456 written"), safetensors as a SafetensorError that quotes
+    the OS error's number ("os error 28"): all are read here, since nothing else would catch them."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -50,9 +56,17 @@ def failure_cause(exc: BaseException) -> Optional[str]:
             return CAUSES[exc.errno]
         text = str(exc)
         if isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
-            return "a write failed"
-        if type(exc).__name__ == "SafetensorError" and (code := re.search(r"code: (\d+)", text)):
-            return CAUSES.get(int(code.group(1)), "a write failed")
+            return SHORT_WRITE
+        if isinstance(exc, OSError) and re.search(r"\d+ requested and \d+ written", text):  # numpy's tofile
+            return SHORT_WRITE
+        if type(exc).__name__ == "SafetensorError" and (code := re.search(r"(?:code: |os error )(\d+)", text)):
+            return CAUSES.get(int(code.group(1)), SHORT_WRITE)
+        # pyarrow (datasets' cache) raises OSErrors whose errno is unset but whose text quotes it
+        if isinstance(exc, OSError) and (code := re.search(r"\[errno (\d+)\]", text, re.IGNORECASE)):
+            if int(code.group(1)) in CAUSES:
+                return CAUSES[int(code.group(1))]
+        if isinstance(exc, OSError) and "Not enough disk space" in text:  # datasets' check before it writes
+            return CAUSES[errno.ENOSPC]
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -68,9 +82,9 @@ def space(path: Path) -> tuple[int, int]:
 
 
 def diagnose(directory: Path, cause: str) -> str:
-    """Turn torch's errno-less "a write failed" into what the filesystem says when asked again: a probe file
+    """Turn an errno-less short write into what the filesystem says when asked again: a probe file
     is created and filled (64 KiB), which meets a read-only mount, a permission or a full disk."""
-    if cause != "a write failed":
+    if cause != SHORT_WRITE:
         return cause
     probe = nearest_existing(directory) / f".zero-recipes-probe-{os.getpid()}"
     try:
@@ -112,7 +126,7 @@ def describe(failure: tuple[str, str, str], needed=None, flag: str = "--output_d
 
 
 def fix_for(cause: str, directory: Path, flag: str) -> str:
-    if cause in (CAUSES[errno.ENOSPC], CAUSES[errno.EDQUOT], CAUSES[errno.EFBIG], "a write failed"):
+    if cause in (CAUSES[errno.ENOSPC], CAUSES[errno.EDQUOT], CAUSES[errno.EFBIG], SHORT_WRITE):
         return f"free space there or point {flag} at a larger disk"
     if cause == CAUSES[errno.EROFS]:
         return f"remount it read-write or point {flag} elsewhere"
@@ -167,3 +181,38 @@ def agree(failure):
     failures = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(failures, failure)
     return next((f for f in failures if f), None)
+
+
+def or_warn(write: Callable[[], object], what: str, then: str, quiet: bool = False) -> bool:
+    """A write whose loss costs a record, not the run (metrics.jsonl, the live eval's page): rank 0 alone makes
+    it, and a rank that stopped would leave the others waiting. A storage failure prints one warning (none
+    when `quiet`) and returns False; a full disk or read-only output_dir then stops every rank together at the
+    next checkpoint save (checkpoint.SaveAttempt). The write itself leaves no partial file (atomic.py)."""
+    try:
+        write()
+    except Exception as e:
+        cause = failure_cause(e)
+        if cause is None:
+            raise
+        if not quiet:
+            print(f"warning: {what} not written ({cause}); {then}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def check_writable(directory: Path, flag: str) -> None:
+    """Refuse, before any work, a directory (or the nearest folder above it that exists, where it would be
+    made) this user cannot write in: asked by creating a probe file there and removing it, since os.access
+    says yes to root on a read-only mount. Hours of evaluation or cleaning are not spent to fail at the write."""
+    import tempfile
+
+    existing = nearest_existing(directory)
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".zero-recipes-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        cause = CAUSES.get(e.errno, e.strerror)
+        raise StorageError(
+            f"{flag} {directory}: cannot write in {existing} ({cause}); {fix_for(cause, existing, flag)}"
+        ) from None

@@ -188,7 +188,7 @@ CASES = [
          files={"notes.txt": "the user's file"}),
     # sysfs refuses new files even to root, as a read-only mount does
     Case("output dir not writable", (*ZERO2, "--output_dir", "/sys/zero-recipes-run"),
-         ("cannot write in /sys", "choose a directory you can write to")),
+         ("cannot write in /sys", "point --output_dir elsewhere")),
     # ---- damaged checkpoints: a resume passes over a damaged one; with none intact it is refused --------
     Case("every checkpoint damaged, relaunched", ("--output_dir", "{tmp}/run"),
          ("no intact checkpoint to resume from", "(truncated)", "--overwrite_output_dir"), damaged_run=True),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import random
 import sys
 import sysconfig
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .cache import cache_root, digest as _digest
+from .cache import cache_root, digest as _digest, staged
 
 # ---- the embedded corpus ---------------------------------------------------------------------------
 
@@ -45,12 +44,9 @@ def builtin_corpus_file(cfg: TrainConfig) -> Path:
     same datasets cache) as a user's own files."""
     out = cache_root(cfg) / f"python{sys.version_info[0]}.{sys.version_info[1]}-docstrings.jsonl"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        with tmp.open("w") as f:
+        with staged(out) as tmp, tmp.open("w") as f:
             for doc in stdlib_docstrings():
                 f.write(json.dumps({"text": doc}) + "\n")
-        tmp.replace(out)
     return out
 
 
@@ -87,9 +83,8 @@ def builtin_tokenizer_dir(cfg: TrainConfig, vocab_size: int = 4096) -> Path:
         pad_token="<|endoftext|>",
         model_max_length=2048,
     )
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    fast.save_pretrained(tmp)
-    tmp.replace(out)
+    with staged(out) as tmp:
+        fast.save_pretrained(tmp)
     return out
 
 
@@ -142,10 +137,7 @@ def instruction_examples(n: int, seed: int = 0) -> list[dict]:
 def builtin_instructions_file(cfg) -> Path:
     out = cache_root(cfg) / "tiny-instructions-v1.jsonl"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        with tmp.open("w") as f:
+        with staged(out) as tmp, tmp.open("w") as f:
             for ex in instruction_examples(20000, seed=0):
                 f.write(json.dumps(ex) + "\n")
-        tmp.replace(out)
     return out

@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from .. import atomic, storage
 from ..errors import ConfigError
 from . import dedupe, formats, sources
+from .cache import staged
 from .cleaning import Cleaner, check_format, fix_strings
 from .options import DataOptions
 from .pipeline import map_processes
@@ -44,6 +47,7 @@ def _beside(output: Path, suffix: str) -> Path:
 
 
 def check_paths(cfg, output: Path) -> None:
+    storage.check_writable(output.parent, "--output")
     src = Path(os.path.expanduser(cfg.dataset_name)).resolve()
     for out in (output, report_path(output), removed_path(output)):
         if out.resolve() == src or (src.is_dir() and src in out.resolve().parents):
@@ -106,17 +110,19 @@ def clean(cfg, output: Path, log=print) -> dict:
     reasons, duplicate_of = report.pop("_reasons"), report.pop("_duplicate_of")
     rows = judged.remove_columns([c for c in INTERNAL if c in judged.column_names])
     removed = np.flatnonzero(reasons != "")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = [p.with_name(p.name + f".tmp{os.getpid()}") for p in (output, removed_path(output))]
-    rows.select(np.flatnonzero(reasons == "")).to_json(tmp[0], lines=True, force_ascii=False)
     audit = rows.select(removed).add_column("removed_because", list(reasons[removed]))
-    audit.add_column("duplicate_of", duplicate_of[removed].tolist()).to_json(tmp[1], lines=True, force_ascii=False)
-    seconds = time.perf_counter() - start
+    audit = audit.add_column("duplicate_of", duplicate_of[removed].tolist())
     report.update(input=str(cfg.dataset_name), output=str(output), removed_rows=str(removed_path(output)))
-    report.update(seconds=round(seconds, 2), documents_per_second=round(report["documents"] / max(seconds, 1e-9), 1))
-    tmp[0].replace(output)
-    tmp[1].replace(removed_path(output))
-    report_path(output).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    # Each file is written whole under a temporary name before it replaces its namesake: a full disk leaves
+    # the previous output (or none) and no temporaries, never a cut-off clean.jsonl.
+    with storage.guarded("writing the cleaned data", output.parent, flag="--output"), ExitStack() as stack:
+        kept_tmp, removed_tmp = (stack.enter_context(staged(p)) for p in (output, removed_path(output)))
+        rows.select(np.flatnonzero(reasons == "")).to_json(kept_tmp, lines=True, force_ascii=False)
+        audit.to_json(removed_tmp, lines=True, force_ascii=False)
+        seconds = time.perf_counter() - start
+        docs_per_second = round(report["documents"] / max(seconds, 1e-9), 1)
+        report.update(seconds=round(seconds, 2), documents_per_second=docs_per_second)
+        atomic.write_text(report_path(output), json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     for line in summary_lines(report):
         log(line)
     return report

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import cleaning, dedupe, formats, packing, sources
-from .cache import cache_root, digest, publish, tokenizer_fingerprint
+from .cache import cache_root, digest, staged, tokenizer_fingerprint
 from .options import DataOptions
 from .order import Mixture
 
@@ -178,27 +178,23 @@ def build(cfg, spec, source, opts: DataOptions, tok, out, log) -> None:
     eval_tk, eval_kept, kept = hold_out(cfg, spec, source, opts, tok, tk, kept)
 
     block = opts.block_size
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    n_train = write_rows(tmp, "train", tk, kept, fmt, block, opts.packing)
-    n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, block, False) if eval_tk is not None else 0
-    if n_train == 0:
-        raise ConfigError(
-            f"dataset '{spec.name}' yields no full block of {block} tokens; lower --block_size or use more data"
+    with staged(out) as tmp:  # meta.json, which marks an entry complete, is written last
+        tmp.mkdir(parents=True, exist_ok=True)
+        n_train = write_rows(tmp, "train", tk, kept, fmt, block, opts.packing)
+        n_eval = write_rows(tmp, "eval", eval_tk, eval_kept, fmt, block, False) if eval_tk is not None else 0
+        if n_train == 0:
+            raise ConfigError(
+                f"dataset '{spec.name}' yields no full block of {block} tokens; lower --block_size or use more data"
+            )
+        report.update(
+            format=fmt,
+            train_rows=n_train,
+            eval_rows=n_eval,
+            train_examples=int(len(kept)),
+            eval_examples=int(len(eval_kept)),
         )
-    report.update(
-        format=fmt,
-        train_rows=n_train,
-        eval_rows=n_eval,
-        train_examples=int(len(kept)),
-        eval_examples=int(len(eval_kept)),
-    )
-    (tmp / "meta.json").write_text(
-        json.dumps(
-            {"format": fmt, "train_rows": n_train, "eval_rows": n_eval, "report": report, "source": source}, default=str
-        )
-    )
-    publish(tmp, out)
+        meta = {"format": fmt, "train_rows": n_train, "eval_rows": n_eval, "report": report, "source": source}
+        (tmp / "meta.json").write_text(json.dumps(meta, default=str))
     rows = load_rows(out, "train")
     util = rows.num_tokens / (len(rows) * block)
     log(

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import storage
 from ..checkpoint import rng_state, set_rng_state
 from ..errors import ConfigError
 from . import harness
@@ -102,7 +103,13 @@ class LiveEval:
         answers = side_by_side.generate(model, self.tokenizer, self.prompts, self.decoding, synced=self.synced)
         if self.rank == 0:
             title = f"{self.cfg.output_dir}: held-out prompts during training"
-            side_by_side.append_column(self.page, self.prompts, f"step {step}", answers, self.described, title)
+            storage.or_warn(
+                lambda: side_by_side.append_column(
+                    self.page, self.prompts, f"step {step}", answers, self.described, title
+                ),
+                f"the samples page {self.page}",
+                "it keeps its previous columns; training goes on",
+            )
         return {"eval_samples_seconds": time.perf_counter() - start}
 
 
