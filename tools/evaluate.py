@@ -82,7 +82,7 @@ def run(args) -> int:
     samples = (args.samples_output or out_dir / "samples") if prompts else None
     for path, flag in ((results, "--output"), (samples, "--samples_output")):
         if path is not None:  # before the evaluation, not after it: its hours are not spent to fail at the write
-            storage.check_writable(path.parent, flag)
+            storage.check_writable(path.parent, flag, given=path)
     if selection:
         with storage.guarded("writing the results", results.parent, flag="--output"):
             evaluate_tasks(args, selection, results)

@@ -200,10 +200,11 @@ def or_warn(write: Callable[[], object], what: str, then: str, quiet: bool = Fal
     return True
 
 
-def check_writable(directory: Path, flag: str) -> None:
+def check_writable(directory: Path, flag: str, given: Optional[Path] = None) -> None:
     """Refuse, before any work, a directory (or the nearest folder above it that exists, where it would be
     made) this user cannot write in: asked by creating a probe file there and removing it, since os.access
-    says yes to root on a read-only mount. Hours of evaluation or cleaning are not spent to fail at the write."""
+    says yes to root on a read-only mount. Hours of evaluation or cleaning are not spent to fail at the write.
+    `given`: what the user passed to `flag` (a file in `directory`), named in the message."""
     import tempfile
 
     existing = nearest_existing(directory)
@@ -214,5 +215,5 @@ def check_writable(directory: Path, flag: str) -> None:
     except OSError as e:
         cause = CAUSES.get(e.errno, e.strerror)
         raise StorageError(
-            f"{flag} {directory}: cannot write in {existing} ({cause}); {fix_for(cause, existing, flag)}"
+            f"{flag} {given or directory}: cannot write in {existing} ({cause}); {fix_for(cause, existing, flag)}"
         ) from None

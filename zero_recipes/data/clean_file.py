@@ -47,7 +47,7 @@ def _beside(output: Path, suffix: str) -> Path:
 
 
 def check_paths(cfg, output: Path) -> None:
-    storage.check_writable(output.parent, "--output")
+    storage.check_writable(output.parent, "--output", given=output)
     src = Path(os.path.expanduser(cfg.dataset_name)).resolve()
     for out in (output, report_path(output), removed_path(output)):
         if out.resolve() == src or (src.is_dir() and src in out.resolve().parents):
