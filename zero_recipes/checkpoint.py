@@ -10,7 +10,6 @@ Layout:  output_dir/checkpoints/latest     the newest complete tag, written afte
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -18,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from . import storage
+from . import atomic, storage
 from .errors import ConfigError
 
 LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP, SP and PP sizes and ZeRO stage that saved it
@@ -283,9 +282,7 @@ def save(
     def manifest_and_latest() -> None:
         if rank == 0:
             write_manifest_of(d / tag, views)
-            tmp = d / f"latest.tmp{os.getpid()}"
-            tmp.write_text(tag)
-            os.replace(tmp, d / "latest")
+            atomic.write_text(d / "latest", tag)
 
     saving.step(manifest_and_latest)
     if rank == 0 and keep > 0:
@@ -365,9 +362,7 @@ def write_manifest_of(tag_dir: Path, views: list[dict[str, int]]) -> None:
     for view in views:
         for name, size in view.items():
             files[name] = max(size, files.get(name, 0))
-    tmp = tag_dir / f"{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
-    os.replace(tmp, tag_dir / MANIFEST)
+    atomic.write_text(tag_dir / MANIFEST, json.dumps({"files": dict(sorted(files.items()))}, indent=1))
 
 
 def file_sizes(tag_dir: Path) -> dict[str, int]:

@@ -15,7 +15,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
-from . import storage
+from . import atomic, storage
 from .checkpoint import latest_tag
 from .errors import ConfigError
 from .lora_options import changed_settings
@@ -104,9 +104,7 @@ def record(output_dir: Path, names) -> None:
 
 def write_manifest(output_dir: Path, names) -> None:
     """Atomic: a kill leaves the old manifest or the new one."""
-    tmp = output_dir / f"{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"written": sorted(set(names) | {MANIFEST})}, indent=1))
-    os.replace(tmp, output_dir / MANIFEST)
+    atomic.write_text(output_dir / MANIFEST, json.dumps({"written": sorted(set(names) | {MANIFEST})}, indent=1))
 
 
 def check_output_dir(output_dir: Path, signature: dict, overwrite: bool, resume: Optional[str]) -> Optional[str]:
@@ -193,8 +191,8 @@ def clear_previous_run(output_dir: Path) -> None:
 
 
 def write_run_config(output_dir: Path, signature: dict, ds_config: dict) -> None:
-    (output_dir / RUN_CONFIG).write_text(json.dumps(signature, indent=2, sort_keys=True))
-    (output_dir / DS_CONFIG).write_text(json.dumps(ds_config, indent=2))
+    atomic.write_text(output_dir / RUN_CONFIG, json.dumps(signature, indent=2, sort_keys=True))
+    atomic.write_text(output_dir / DS_CONFIG, json.dumps(ds_config, indent=2))
 
 
 def start_run(plan, rank: int) -> None:
@@ -203,8 +201,11 @@ def start_run(plan, rank: int) -> None:
     import torch
 
     torch.distributed.barrier()
-    if rank == 0:
-        out = plan.output_dir
+    out = plan.output_dir
+
+    def rank0_writes() -> None:
+        if rank != 0:
+            return
         if plan.cfg.overwrite_output_dir and plan.cfg.resume_from_checkpoint is None:
             clear_previous_run(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -216,6 +217,10 @@ def start_run(plan, rank: int) -> None:
             )
         record(out, RUN_ENTRIES)
         write_run_config(out, plan.signature, plan.ds)
+
+    # a full or read-only output_dir at the start: one line on every rank, before any of them builds a model
+    if failure := storage.agree(storage.attempt(rank0_writes, "starting the run", out)):
+        raise storage.StorageError(storage.describe(failure))
 
 
 @contextmanager
