@@ -172,7 +172,7 @@ def test_the_tools_outputs_on_a_full_or_read_only_disk(tmp_path):
             "point --output elsewhere"
         )
         prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+        prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
         model = tmp_path / "model"  # a model directory evaluate.py accepts: weights and a tokenizer
         tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_dir(TrainConfig()))
         tokenizer.save_pretrained(model)
@@ -184,3 +184,13 @@ def test_the_tools_outputs_on_a_full_or_read_only_disk(tmp_path):
             [*evaluate, "--samples_output", str(disk / "s")], cwd=REPO, capture_output=True, text=True
         )
         assert one_error_line(proc).startswith(f"error: --samples_output {disk / 's'}: cannot write in {disk}")
+    with tmpfs(tmp_path / "small", "8k") as small:  # writable, too small for the page: the write itself fails
+        proc = subprocess.run(
+            [*evaluate, "--samples_output", str(small / "s")], cwd=REPO, capture_output=True, text=True
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+        (line,) = error_lines(proc.stderr)
+        assert line.startswith(f"error: writing the samples failed: cannot write {small}: no space left on device")
+        # the answers (s.jsonl, written first) are whole; the page did not fit and left no part of itself
+        assert [p.name for p in small.iterdir()] == ["s.jsonl"]
+        assert len([json.loads(line) for line in (small / "s.jsonl").read_text().splitlines()]) == 8
