@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from . import lora_options
+from . import lora_options, lr_defaults
 from .config import FIELDS, REPO_ROOT, TrainConfig, resolve_path, validate
 from .distributed import accelerate_launch_choices
 from .errors import ConfigError
@@ -145,9 +145,10 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, set[str]]:
         else:
             values[key] = coerce(key, vals[0])
     values.update(accelerate_launch_choices(values))  # accelerate launch's DeepSpeed JSON and precision
-    cfg = TrainConfig(**values)
+    explicit = set(values) - {"local_rank"}
+    cfg = lr_defaults.apply(TrainConfig(**values), explicit)  # what is trained decides what was left unset
     validate(cfg)
-    return cfg, set(values) - {"local_rank"}
+    return cfg, explicit
 
 
 def help_text() -> str:
@@ -159,7 +160,7 @@ def help_text() -> str:
     ]
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{name} (default: {default!r})")
+        lines.append(f"  --{name} (default: {lr_defaults.help_default(name) or repr(default)})")
         if docs.get(name):
             lines.append(f"      {docs[name]}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
-from . import lora_options, lr_schedule
+from . import lora_options, lr_defaults, lr_schedule
 from .errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -153,8 +153,11 @@ class TrainConfig:
     """Micro-batch per rank (DeepSpeed `train_micro_batch_size_per_gpu`)."""
     per_device_eval_batch_size: int = 16
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 2e-3
-    weight_decay: float = 0.1
+    learning_rate: float = lr_defaults.FROM_SCRATCH.learning_rate
+    """Peak learning rate. Unset (in the recipe and flags): the value for what is trained, from scratch, full
+    fine-tuning of a pretrained checkpoint or LoRA, which the launch names (docs/configuration.md)."""
+    weight_decay: float = lr_defaults.FROM_SCRATCH.weight_decay
+    """AdamW's decoupled weight decay. Unset: the value for what is trained, as for `learning_rate`."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8

@@ -20,6 +20,7 @@ import torch
 from . import data, metrics
 from .checkpoint import Checkpointer
 from .distributed import StopRequest
+from .loss_rise import LossRiseWatch
 from .plan import RunPlan
 
 
@@ -81,6 +82,7 @@ def fit(loop: Loop, step: int) -> Outcome:
     start_step, run_start = step, time.perf_counter()
     time_to_first_step = None  # from process start (imports included) to the end of this launch's first step
     losses: list[float] = []
+    rise = LossRiseWatch.for_launch(loop.plan, step)  # a fine-tune's early loss rise: one warning
     if cfg.eval_on_start and step == 0:
         with window.paused():
             run_eval(loop, 0)
@@ -111,6 +113,8 @@ def fit(loop: Loop, step: int) -> Outcome:
             first = step - window.steps == start_step
             record = log_record(loop, window, step, own_grad_norm, time_to_first_step if first else None)
             losses.append(record["loss"])
+            if warning := rise.observe(step, record["loss"]):
+                loop.log(warning)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
             )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import combinations, distributed, ds_config, hub, lora_options, model as modeling, modes, moe
+from . import combinations, distributed, ds_config, hub, lora_options, lr_defaults, model as modeling, modes, moe
 from .axis import Parallelism
 from .cli import parse_args
 from .config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
@@ -62,6 +62,7 @@ class RunPlan:
             )
         resolved = ds_config.resolve(raw, cfg, explicit, world, modeling.hidden_size(model_config))
         cfg = resolved.cfg
+        notes += lr_defaults.note(cfg, explicit)  # after resolve: a DeepSpeed file's value is adopted, not a default
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
         mesh = Mesh.of(world, resolved.ds)
         adapter = lora_options.adapter_name(cfg)

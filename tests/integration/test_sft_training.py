@@ -65,6 +65,7 @@ def test_tiny_sft_recipe_fine_tunes_and_reports_exact_match(recipe, pretrained, 
     ), evals
     assert "detected format" not in run.log and "default ChatML-style template" in run.log
     assert "no answer tokens" not in run.log
+    assert "warning: the loss rose" not in run.log  # a fine-tune, so watched (loss_rise.py), and a healthy one
     # the exported tokenizer carries the chat template the model was trained with
     from transformers import AutoTokenizer
 
