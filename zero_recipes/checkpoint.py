@@ -343,15 +343,15 @@ class SaveAttempt:
 
     def needed_bytes(self) -> int:
         """Roughly what one checkpoint takes, all ranks together: the newest complete one's size by its
-        manifest, else the engine's weights in their dtype plus, per trainable parameter, the fp32 master
-        copy and Adam's two moments (12 bytes), times the model-parallel ranks holding other pieces."""
+        manifest, else each trained parameter in its dtype plus its fp32 master copy and Adam's two moments
+        (12 bytes), times the model-parallel ranks holding other pieces."""
         newest = latest_tag(self.output_dir)
         if newest and (files := (read_json(checkpoints_dir(self.output_dir) / newest / MANIFEST) or {}).get("files")):
             return sum(files.values())
         total = 0
-        for p in self.engine.module.parameters():
-            n = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partition counts at its full size
-            total += n * (p.element_size() + (12 if p.requires_grad else 0))
+        for p in self.engine.module.parameters():  # a frozen (LoRA base) parameter is not saved (has_frozen)
+            if p.requires_grad:
+                total += getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12)  # ZeRO-3: its full size
         pieces = self.mesh_layout.get("tensor_parallel", 1) * self.mesh_layout.get("pipeline_parallel", 1)
         return total * pieces
 
