@@ -51,6 +51,19 @@ def test_pretrained_weights_load_straight_into_zero3_partitions(trained, tmp_pat
     assert z3.losses[0] < from_scratch - 0.5  # the trained weights arrived, not a fresh init
 
 
+def test_a_fine_tune_whose_loss_climbs_is_warned_once(trained, tmp_path):
+    """The early warning end to end (its rule: tests/unit/test_loss_rise.py): a pretrained model fine-tuned at a
+    learning rate far above the fine-tuning default. The healthy fine-tunes of the shipped recipes stay silent
+    (test_sft_training.py)."""
+    pretrained = trained("zero3", "fp32").check().output_dir
+    args = FAST + ["--max_steps", "5", "--model_name_or_path", str(pretrained), "--learning_rate", "0.1"]
+    run = launch(args + ["--deepspeed", "ds_configs/zero2.json"], tmp_path / "hot", launcher="forked").check()
+    warnings = [line for line in run.log.splitlines() if "warning: the loss rose" in line]
+    assert len(warnings) == 1, run.log[-3000:]
+    assert "full fine-tuning of a pretrained checkpoint: learning_rate 0.1 may be too high" in warnings[0]
+    assert "its default is 2e-05" in warnings[0]
+
+
 def test_other_architecture_from_inline_model_config(tmp_path):
     gpt2 = '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}'
     run = launch(
