@@ -219,7 +219,8 @@ class TrainConfig:
     save_steps: int = 100
     """Save a DeepSpeed checkpoint every N optimizer steps (and at the end). 0: only at the end."""
     save_total_limit: int = 2
-    """Keep the newest N checkpoints. 0 keeps all."""
+    """Keep the newest N checkpoints. 0 keeps all. With N >= 2 the oldest goes before a save writes, so the disk
+    never holds more than N."""
     resume_from_checkpoint: Optional[str] = None
     """`auto` (the newest in output_dir/checkpoints) or a checkpoint path."""
     verify_export: bool = False
