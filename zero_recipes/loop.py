@@ -22,6 +22,7 @@ from .checkpoint import Checkpointer
 from .distributed import StopRequest
 from .loss_rise import LossRiseWatch
 from .plan import RunPlan
+from .storage import StorageError
 
 
 @dataclass
@@ -113,8 +114,8 @@ def fit(loop: Loop, step: int) -> Outcome:
             first = step - window.steps == start_step
             record = log_record(loop, window, step, own_grad_norm, time_to_first_step if first else None)
             losses.append(record["loss"])
-            if warning := rise.observe(step, record["loss"]):
-                loop.log(warning)
+            if (warning := rise.observe(step, record["loss"])) and loop.rank == 0:
+                bar.write(warning)  # above the bar, as the checkpoint lines are
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
             )
@@ -136,7 +137,11 @@ def save_or_stop(loop: Loop, window: metrics.LogWindow, bar, step: int, saving: 
     preempted = loop.stop.agreed()
     if saving or preempted:
         with window.paused():
-            path = loop.checkpointer.save(loop.engine, step, rank_state={"data": loop.order.state_dict()})
+            try:
+                path = loop.checkpointer.save(loop.engine, step, rank_state={"data": loop.order.state_dict()})
+            except StorageError:
+                bar.close()  # so that the error's one line starts a line of its own, not after the bar
+                raise
         bar.write(f"checkpoint: {path}") if loop.rank == 0 else None
     if not (preempted and step < total):
         return None
