@@ -292,8 +292,13 @@ def save(
 
 
 def rotate(output_dir: Path, keep: int, but: str = "") -> None:
-    """Remove all but the newest `keep` checkpoints (and their universal conversions), leaving `but` alone."""
-    for old in [p for p in list_checkpoints(output_dir) if p.name != but][:-keep]:
+    """Leave `keep` checkpoints (and their universal conversions): `latest`'s, which a resume takes even when
+    newer damaged ones were passed over, and the newest others. `but`, the tag being saved, is left alone."""
+    newest = latest_tag(output_dir)
+    tags = [p for p in list_checkpoints(output_dir) if p.name != but]
+    others = [p for p in tags if p.name != newest]
+    room = max(keep - (len(others) < len(tags)), 0)
+    for old in others[: len(others) - room]:
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(old.with_name(old.name + UNIVERSAL_SUFFIX), ignore_errors=True)
 
