@@ -1,6 +1,7 @@
 """Writes that a reader, a kill or a full disk never leaves half done: the old file stays until the new one is
-whole. A small file is written under a hidden name and renamed; a set of files (a model or adapter directory)
-is written into a hidden staging directory beside them and renamed in, file by file. What a failure means for
+whole. A file or a directory (a cache entry) is written under a hidden name beside it and renamed (`staged`,
+`write_text`); a set of files in a directory that holds others too (a model or adapter export) is written into a
+hidden staging directory there and renamed in, file by file (`replaced_files`). What a failure means for
 the run is storage.py's."""
 
 from __future__ import annotations
@@ -20,13 +21,27 @@ STAGING_PREFIX = ".staging-"
 def write_text(path: Path, text: str) -> None:
     """Written whole under a hidden per-process name, then renamed over `path`: ranks or processes writing at once
     leave one complete file, the last one's; a failed write leaves the previous file and no temporary."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with staged(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+
+
+@contextmanager
+def staged(out: Path):
+    """A hidden per-process name beside `out` (a file or a directory) for the body to write; renamed to `out`
+    when the body succeeds, removed when it fails (a full disk, a read-only directory, a kill's exception):
+    `out` is the previous one whole, or the new one whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 @contextmanager

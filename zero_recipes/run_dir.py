@@ -165,8 +165,8 @@ def check_writable(output_dir: Path) -> None:
     Asked by writing a probe file there and removing it: os.access says yes to root on a read-only mount."""
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output_dir {output_dir} is a file, not a directory; choose another --output_dir")
-    existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
-    if existing is None or not existing.is_dir():
+    existing = storage.nearest_existing(output_dir)
+    if not existing.is_dir():
         raise ConfigError(
             f"--output_dir {output_dir}: {existing} is a file, not a directory; choose another --output_dir"
         )

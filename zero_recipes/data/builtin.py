@@ -10,9 +10,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from ..atomic import staged
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .cache import cache_root, digest as _digest, staged
+from .cache import cache_root, digest as _digest
 
 # ---- the embedded corpus ---------------------------------------------------------------------------
 

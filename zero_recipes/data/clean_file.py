@@ -23,7 +23,6 @@ import numpy as np
 from .. import atomic, storage
 from ..errors import ConfigError
 from . import dedupe, formats, sources
-from .cache import staged
 from .cleaning import Cleaner, check_format, fix_strings
 from .options import DataOptions
 from .pipeline import map_processes
@@ -116,7 +115,7 @@ def clean(cfg, output: Path, log=print) -> dict:
     # Each file is written whole under a temporary name before it replaces its namesake: a full disk leaves
     # the previous output (or none) and no temporaries, never a cut-off clean.jsonl.
     with storage.guarded("writing the cleaned data", output.parent, flag="--output"), ExitStack() as stack:
-        kept_tmp, removed_tmp = (stack.enter_context(staged(p)) for p in (output, removed_path(output)))
+        kept_tmp, removed_tmp = (stack.enter_context(atomic.staged(p)) for p in (output, removed_path(output)))
         rows.select(np.flatnonzero(reasons == "")).to_json(kept_tmp, lines=True, force_ascii=False)
         audit.to_json(removed_tmp, lines=True, force_ascii=False)
         seconds = time.perf_counter() - start

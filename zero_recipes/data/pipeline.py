@@ -16,9 +16,10 @@ from typing import Optional
 
 import numpy as np
 
+from ..atomic import staged
 from ..errors import ConfigError
 from . import cleaning, dedupe, formats, packing, sources
-from .cache import cache_root, digest, staged, tokenizer_fingerprint
+from .cache import cache_root, digest, tokenizer_fingerprint
 from .options import DataOptions
 from .order import Mixture
 
