@@ -103,8 +103,8 @@ def diagnose(directory: Path, cause: str) -> str:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -134,18 +134,16 @@ def fix_for(cause: str, directory: Path, flag: str) -> str:
 
 
 @contextmanager
-def guarded(what: str, directory: Path, flag: str = "--output_dir", needed=None, cleanup: Optional[Callable] = None):
-    """Around one process's writes: a storage failure becomes a StorageError naming `directory` (or the file the
-    OS error names, when it is elsewhere), once `cleanup` has removed what was half-written."""
+def guarded(what: str, directory: Path, flag: str = "--output_dir"):
+    """Around one process's writes (each leaves no half file: atomic.py): a storage failure becomes a StorageError
+    naming `directory`, or the folder of the file the OS error names when it is elsewhere."""
     try:
         yield
     except Exception as e:
         failure = failure_of(e, what, directory)
         if failure is None:
             raise
-        if cleanup is not None:
-            cleanup()
-        raise StorageError(describe(failure, needed, flag)) from None
+        raise StorageError(describe(failure, flag=flag)) from None
 
 
 def failure_of(exc: BaseException, what: str, directory: Path) -> Optional[tuple[str, str, str]]:
