@@ -181,6 +181,9 @@ class TrainConfig:
     """bf16 mixed precision. Unset: follow the DeepSpeed config; its "auto" then means off."""
     fp16: Optional[bool] = None
     """fp16 mixed precision with dynamic loss scaling. Unset: as for `bf16`."""
+    tf32: Optional[bool] = None
+    """TF32 matmuls and convolutions on Ampere and newer GPUs (the HF Trainer's `tf32`): fp32 runs go about 7x
+    faster at 10-bit mantissa products. Unset: torch's default (off for matmuls). Refused without CUDA."""
 
     # ---- DeepSpeed ---------------------------------------------------------------------------------
     deepspeed: list = field(default_factory=list)
@@ -227,6 +230,11 @@ class TrainConfig:
     """After export, reload the HF model on rank 0 and check its logits equal the engine's."""
     dry_run: bool = False
     """Print the resolved DeepSpeed config and the plan, then exit without training."""
+
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait before the run is aborted (the HF Trainer's `ddp_timeout`): what a dead
+    peer costs before the survivors stop. Waits on work one rank does for all (preparing data, converting a
+    universal checkpoint) are not bound by it."""
 
     # ---- accepted for launcher compatibility ------------------------------------------------------
     local_rank: int = -1
