@@ -172,9 +172,16 @@ def verify_export(
     diff = None
     if rank == 0:
         unset_hf_deepspeed_config()  # a plain load, as a user's, not one inside zero.Init
-        reloaded = reload()
         with torch.no_grad():
-            got = reloaded(input_ids=probe).logits.float()
+            got = reloaded_logits(reload(), probe).float().cpu()
         diff = (got - ref).abs().max().item()
     torch.distributed.barrier()
     return diff
+
+
+def reloaded_logits(model, input_ids):
+    """The logits of a reloaded export, fed on the device it was loaded onto. A full or LoRA export reloads on
+    the CPU (as a user's `from_pretrained` does) and QLoRA's 4-bit base on the GPU, while the probe comes from
+    the engine's device: on a GPU the two differ."""
+    device = next(model.parameters()).device
+    return model(input_ids=input_ids.to(device)).logits
