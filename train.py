@@ -134,7 +134,7 @@ def start_processes(plan: RunPlan, log):
     report_to, resume_request, live_tasks, _ = check_inputs(plan)
     jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
     threads = distributed.set_threads(distributed.rank_info()[3])
-    distributed.init()
+    distributed.init(plan.cfg.ddp_timeout)
     distributed.quiet_deepspeed()
     stop = distributed.StopRequest()
     for note in plan.notes:

@@ -78,9 +78,19 @@ def free_port(span: str | None = None) -> int:
     raise RuntimeError(f"no free TCP port in {span}")
 
 
-def init(timeout_minutes: int = 30) -> None:
-    """Start the process group with DeepSpeed (NCCL on GPUs, gloo/shm on CPUs). A plain
-    `python train.py` becomes a world of one."""
+# Work one rank does for all (reading and tokenizing a corpus, cleaning it, converting a checkpoint to universal
+# form, writing an export) can outlast any timeout short enough to catch a dead peer: NCCL's watchdog would abort
+# every waiting rank at --ddp_timeout, half an hour into preparing c4. Those waits go through a gloo group of
+# their own with this timeout: gloo waits on the host, with no CUDA stream or NCCL watchdog involved.
+LONG_WAIT = timedelta(hours=24)
+_host_group = None
+
+
+def init(timeout_seconds: int = 1800) -> None:
+    """Start the process group with DeepSpeed (NCCL on GPUs, gloo/shm on CPUs), every collective bound by
+    `timeout_seconds` (--ddp_timeout), and the host group for the long waits. A plain `python train.py`
+    becomes a world of one."""
+    global _host_group
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -88,16 +98,24 @@ def init(timeout_minutes: int = 30) -> None:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
+    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cuda":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     try:
-        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
+        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_seconds))
     except RuntimeError as e:
         if line := address_in_use(e):
             raise ConfigError(line) from None
         raise
+    _host_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
+
+
+def host_group():
+    """The gloo group for waits on one rank's work (LONG_WAIT): collectives on it never meet the NCCL watchdog.
+    None (the default group) in a process group that `init` did not start."""
+    return _host_group
 
 
 def address_in_use(error: BaseException) -> str | None:
@@ -118,7 +136,8 @@ def address_in_use(error: BaseException) -> str | None:
 
 def rank0_first(rank: int, fn):
     """Collective: run fn on rank 0 first (it fills the caches), then on the others, which read them. A
-    ConfigError on rank 0 is raised on every rank, so no rank waits forever at the barrier."""
+    ConfigError on rank 0 is raised on every rank, so no rank waits forever at the barrier. The others wait on
+    the host group, however long rank 0 takes."""
     import torch
 
     error = [None]
@@ -128,12 +147,12 @@ def rank0_first(rank: int, fn):
             result = fn()
         except ConfigError as e:
             error[0] = str(e)
-    torch.distributed.broadcast_object_list(error, src=0)
+    torch.distributed.broadcast_object_list(error, src=0, group=host_group())
     if error[0] is not None:
         raise ConfigError(error[0])
     if rank != 0:
         result = fn()
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=host_group())
     return result
 
 
@@ -203,6 +222,8 @@ _LOST_PEER = (
     "Socket Timeout",
     "NCCL communicator was aborted",
     "remote process exited or there was a network error",
+    "ncclRemoteError",
+    "Watchdog caught collective operation timeout",  # a peer dead or hung past --ddp_timeout (ProcessGroupNCCL)
 )
 
 
@@ -218,9 +239,10 @@ def lost_peer(error: BaseException) -> str | None:
     # gloo names the peer: "Read error [10.0.0.2]:41234: ..." or "Connection closed by peer [10.0.0.2]:41234"
     peer = re.search(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]", text)
     where = peer.group(1) if peer else ""
+    waited = " (or hung past --ddp_timeout)" if "timeout" in cause.lower() else ""
     return (
         f"rank {os.environ.get('RANK', 0)} lost contact with another rank ({cause}{' from ' + where if where else ''}): "
-        "a rank or node died or the network between them failed. The first error is in that rank's log; "
+        f"a rank or node died{waited} or the network between them failed. The first error is in that rank's log; "
         "relaunch the same command to resume from the last checkpoint in output_dir"
     )
 

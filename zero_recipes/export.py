@@ -165,6 +165,8 @@ def verify_export(
     import torch
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    from .distributed import host_group
+
     engine.eval()
     with torch.no_grad():
         ref = engine_logits(probe)
@@ -175,7 +177,7 @@ def verify_export(
         with torch.no_grad():
             got = reloaded_logits(reload(), probe).float().cpu()
         diff = (got - ref).abs().max().item()
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=host_group())  # rank 0's reload of a large export can outlast --ddp_timeout
     return diff
 
 

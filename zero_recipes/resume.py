@@ -81,8 +81,11 @@ def loads_as_saved(saved: dict, stage: int) -> bool:
 
 
 def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
-    """Convert a checkpoint once with DeepSpeed's own ds_to_universal (rank 0; the others wait)."""
+    """Convert a checkpoint once with DeepSpeed's own ds_to_universal (rank 0; the others wait on the host group:
+    a 70B conversion takes longer than --ddp_timeout)."""
     import torch
+
+    from .distributed import host_group
 
     error = [None]
     if rank == 0:
@@ -90,7 +93,7 @@ def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
             convert_to_universal(where)
         except ConfigError as e:
             error[0] = str(e)
-    torch.distributed.broadcast_object_list(error, src=0)
+    torch.distributed.broadcast_object_list(error, src=0, group=host_group())
     if error[0]:
         raise ConfigError(error[0])
     return where[0], where[1] + UNIVERSAL_SUFFIX

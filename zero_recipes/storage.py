@@ -171,13 +171,16 @@ def attempt(write: Callable[[], object], what: str, directory: Path) -> Optional
 
 def agree(failure):
     """Collective: the first rank's failure (None when every rank's writes succeeded). Every rank then takes
-    the same decision, so none is left waiting at a barrier the failed rank never reaches."""
+    the same decision, so none is left waiting at a barrier the failed rank never reaches. On the host group:
+    the others may wait here while rank 0 writes a whole export."""
     import torch
+
+    from .distributed import host_group
 
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return failure
     failures = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(failures, failure)
+    torch.distributed.all_gather_object(failures, failure, group=host_group())
     return next((f for f in failures if f), None)
 
 

@@ -11,6 +11,8 @@ as they are imported, and only when asked (tests/helpers.fault_env):
                                              DeepSpeed files are written and `latest` has not moved, the moment a
                                              kill is most dangerous. after_save: the checkpoint is complete, as
                                              when a job dies between saves.
+    ZERO_RECIPES_TEST_SLOW_PREPARE=SECONDS   rank 0 takes that long more to prepare the data, as a large corpus
+                                             would, while the others wait for it
     ZERO_RECIPES_TEST_PROCESS_LOG=FILE       each process appends one JSON line at exit: the test that started it
                                              (PYTEST_CURRENT_TEST), its command, CPU and wall seconds. Where the
                                              suite's time goes, process by process (docs/tests.md).
@@ -25,6 +27,7 @@ NAN_AT_STEP = int(os.environ.get("ZERO_RECIPES_TEST_NAN_AT_STEP", 0))
 KILL = os.environ.get("ZERO_RECIPES_TEST_KILL", "")
 PORTS = os.environ.get("ZERO_RECIPES_TEST_PORTS", "")
 PROCESS_LOG = os.environ.get("ZERO_RECIPES_TEST_PROCESS_LOG", "")
+SLOW_PREPARE = float(os.environ.get("ZERO_RECIPES_TEST_SLOW_PREPARE", 0))
 
 
 def _log_process(started: float) -> None:
@@ -106,6 +109,19 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _patch_data(module) -> None:
+    prepare = module.prepare
+
+    def slow_prepare(*args, **kwargs):
+        if os.environ.get("RANK", "0") == "0":
+            import time
+
+            time.sleep(SLOW_PREPARE)
+        return prepare(*args, **kwargs)
+
+    module.prepare = slow_prepare
+
+
 def _patch_ports(module) -> None:
     free_port = module.free_port
     module.free_port = lambda span=None: free_port(span or PORTS)
@@ -133,5 +149,7 @@ if PORTS:
     sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed", _patch_ports))
 if NAN_AT_STEP or KILL.startswith("in_save:"):
     sys.meta_path.insert(0, _PatchOnImport("deepspeed.runtime.engine", _patch_engine))
+if SLOW_PREPARE:
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.data", _patch_data))
 if KILL.startswith("after_save:"):
     sys.meta_path.insert(0, _PatchOnImport("zero_recipes.checkpoint", _patch_checkpointer))

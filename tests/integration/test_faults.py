@@ -161,3 +161,11 @@ def test_fp16_overflow_lines_survive_the_quiet_deepspeed_logger():
     finally:
         logger.removeHandler(handler)
     assert seen == [overflow, "a warning"]
+
+
+def test_the_others_wait_for_rank0s_data_past_the_collective_timeout(tmp_path):
+    """Rank 0 prepares the data (or converts a checkpoint) for all while the others wait: a large corpus takes
+    longer than --ddp_timeout, which on GPUs is NCCL's watchdog. The wait is on the host group (LONG_WAIT)."""
+    args = FAST + ["--deepspeed", "ds_configs/zero2.json", "--max_steps", "2", "--ddp_timeout", "8"]
+    run = launch(args, tmp_path / "run", launcher="torchrun", env=fault_env(slow_prepare=16)).check()
+    assert [r["step"] for r in run.records if "loss" in r] == [1, 2]

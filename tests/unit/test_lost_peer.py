@@ -16,6 +16,19 @@ import pytest
             "Connection closed by peer from 10.1.2.3",
         ),
         ("NCCL communicator was aborted on rank 3.", "NCCL communicator was aborted"),
+        # ProcessGroupNCCL's two texts for a peer that went away: NCCL's own remote error (its socket closed), and
+        # the watchdog's timeout when nothing closed (a node powered off, or a hung rank)
+        (
+            "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there "
+            "was a network error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network "
+            "error or a remote process exiting prematurely.",
+            "remote process exited or there was a network error",
+        ),
+        (
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=212, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=1800000) ran for 1800083 milliseconds before timing out.",
+            "Watchdog caught collective operation timeout",
+        ),
     ],
 )
 def test_lost_peer_line_names_what_gloo_and_nccl_said(raw, named):
