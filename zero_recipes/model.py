@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -225,11 +225,27 @@ def seeded_reinit(model, seed: int, rank: int) -> None:
             with ctx:
                 if zero3 and rank != 0:
                     continue
-                with torch.random.fork_rng(devices=[]):
+                with torch.random.fork_rng(devices=[]), drawn_on_host(params):
                     torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                     owner._init_weights(module)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+@contextmanager
+def drawn_on_host(params):
+    """Let an initialiser draw into CPU copies of `params`, then copy the draws back. Under ZeRO-3 the gathered
+    parameters are on the GPU, where `normal_` draws from the CUDA generator: the same seed gives other
+    numbers than the CPU generator that ZeRO-0/1/2's host-built model draws from."""
+    away = [(p, p.data) for p in params if p.device.type != "cpu"]
+    for p, data in away:
+        p.data = data.to("cpu")
+    try:
+        yield
+    finally:
+        for p, data in away:
+            data.copy_(p.data)
+            p.data = data
 
 
 def partition_numel(model) -> int:
