@@ -129,8 +129,10 @@ def main(argv: list[str], instrument=None) -> int:
 def start_processes(plan: RunPlan, log):
     """The checks that need the machine, the inputs, the DeepSpeed ops, then the process group. Returns the
     trackers, the resume request and the live eval's tasks (check_inputs), and the preemption signal's catcher."""
-    if problems := ds_checks.machine_problems(plan.ds):  # fp16/bf16 kernels, NVMe offload: before any rank waits
+    if problems := ds_checks.machine_problems(plan.ds, plan.cfg.tf32):  # kernels, NVMe: before any rank waits
         raise ConfigError("; ".join(problems))
+    if plan.cfg.tf32 is not None:  # what the HF Trainer's --tf32 sets (transformers' enable_tf32, torch >= 2.9)
+        torch.backends.fp32_precision = "tf32" if plan.cfg.tf32 else "ieee"
     report_to, resume_request, live_tasks, _ = check_inputs(plan)
     jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
     threads = distributed.set_threads(distributed.rank_info()[3])
@@ -267,7 +269,7 @@ def dry_run(plan: RunPlan, log) -> int:
     log(json.dumps(ds, indent=2))
     for note in notes:
         log(f"note: {note}")
-    for problem in ds_checks.machine_problems(ds):
+    for problem in ds_checks.machine_problems(ds, cfg.tf32):
         log(f"warning: this machine cannot train it: {problem}")
     for line in sampled:
         log(f"data: {line}")

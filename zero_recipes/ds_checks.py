@@ -164,13 +164,16 @@ def _ignored_blocks(ds: dict) -> list[str]:
 # ---- this machine -------------------------------------------------------------------------------------------
 
 
-def machine_problems(ds: dict) -> list[str]:
-    """What this machine cannot run with a resolved config, found before any process group or model: the precision's kernels, and
-    NVMe offload's async_io op and directory."""
+def machine_problems(ds: dict, tf32: bool | None = None) -> list[str]:
+    """What this machine cannot run with a resolved config, found before any process group or model: the
+    precision's kernels, TF32, and NVMe offload's async_io op and directory."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    problems = precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), acc.is_bf16_supported())
+    capability = cuda_capability(acc.device_name())
+    bf16_ok = native_bf16(acc.is_bf16_supported(), capability)
+    problems = precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), bf16_ok)
+    problems += tf32_problems(tf32, acc.device_name(), capability)
     z = ds.get("zero_optimization") or {}
     nvme = [z[k] for k in ("offload_optimizer", "offload_param") if (z.get(k) or {}).get("device") == "nvme"]
     if nvme:
@@ -196,6 +199,28 @@ def precision_problems(precision: str, device: str, fp16_ok: bool, bf16_ok: bool
             "ds_configs/fp16.json, or fp32 (no precision fragment)"
         ]
     return []
+
+
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """The GPU's compute capability, None off CUDA."""
+    import torch
+
+    return torch.cuda.get_device_capability() if device == "cuda" and torch.cuda.is_available() else None
+
+
+def native_bf16(accelerator_says: bool, capability: tuple[int, int] | None) -> bool:
+    """bf16 the hardware computes. torch.cuda.is_bf16_supported() (which DeepSpeed asks) also counts a V100's or
+    T4's emulation, which runs bf16 matmuls many times slower than fp16: NVIDIA's bf16 tensor cores start at
+    compute capability 8.0 (A100)."""
+    return accelerator_says and (capability is None or capability >= (8, 0))
+
+
+def tf32_problems(tf32: bool | None, device: str, capability: tuple[int, int] | None) -> list[str]:
+    """--tf32 true asks for Ampere's tensor-core fp32, as the HF Trainer refuses it elsewhere."""
+    if not tf32 or (capability is not None and capability >= (8, 0)):
+        return []
+    where = f"compute capability {capability[0]}.{capability[1]}" if capability else f"a {device}, not an NVIDIA GPU"
+    return [f"--tf32 needs an NVIDIA GPU of compute capability 8.0 or newer (A100, H100); this is {where}: drop --tf32"]
 
 
 def path_problems(nvme_path: str) -> list[str]:

@@ -74,6 +74,7 @@ CASES = [
          files={"both.json": '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}'}),
     Case("flash_attention_2 without flash-attn, dry run", ("--attn_implementation", "flash_attention_2", "--dry_run"),
          ("flash_attention_2 cannot be used", "--attn_implementation sdpa")),
+    Case("tf32 on a CPU", (*ZERO2, "--tf32", "true"), ("--tf32 needs an NVIDIA GPU", "drop --tf32")),
     Case("flex_attention on a CPU", ("--attn_implementation", "flex_attention", "--dry_run"),
          ("flex_attention cannot train on cpu",)),
     Case("block size above max positions", (*ZERO2, "--block_size", "4096", "--dry_run"),

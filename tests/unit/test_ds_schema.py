@@ -172,6 +172,31 @@ def test_what_is_allowed_passes_with_notes_for_ignored_knobs():
     assert notes == ["zero_optimization.reduce_bucket_size is read only at ZeRO-1/2/3; ignored at ZeRO-0"]
 
 
+@pytest.mark.parametrize(
+    "gpu,capability,bf16_refused,tf32_refused",
+    [
+        ("V100", (7, 0), True, True),
+        ("T4", (7, 5), True, True),
+        ("A100", (8, 0), False, False),
+        ("H100", (9, 0), False, False),
+    ],
+)
+def test_bf16_and_tf32_need_compute_capability_8(gpu, capability, bf16_refused, tf32_refused):
+    # torch.cuda.is_bf16_supported() says True on a V100 or T4 (emulation): the capability decides
+    bf16_ok = ds_checks.native_bf16(accelerator_says=True, capability=capability)
+    assert bool(ds_checks.precision_problems("bf16", "cuda", True, bf16_ok)) == bf16_refused
+    tf32 = ds_checks.tf32_problems(True, "cuda", capability)
+    assert bool(tf32) == tf32_refused
+    assert ds_checks.tf32_problems(None, "cuda", capability) == ds_checks.tf32_problems(False, "cpu", None) == []
+
+
+def test_tf32_is_refused_on_the_cpu_in_one_line():
+    assert ds_checks.machine_problems({"bf16": {"enabled": False}, "fp16": {"enabled": False}}, tf32=True) == [
+        "--tf32 needs an NVIDIA GPU of compute capability 8.0 or newer (A100, H100); this is a cpu, not an NVIDIA "
+        "GPU: drop --tf32"
+    ]
+
+
 def test_machine_precision_and_nvme_problems(tmp_path):
     assert ds_checks.precision_problems("fp16", "cuda", fp16_ok=False, bf16_ok=True)[0].startswith(
         "this cuda has no fp16"
