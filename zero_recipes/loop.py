@@ -181,7 +181,8 @@ def open_window(loop: Loop) -> metrics.LogWindow:
     """The first logging window, after the line that states the run's size and the peak MFU is taken against."""
     plan, cfg = loop.plan, loop.plan.cfg
     peak, peak_source = metrics.device_peak_flops(plan.precision, data.cache_root(cfg) / "matmul-peak.json")
-    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size)
+    trainable = metrics.trainable_matmul_params(loop.engine.module)  # LoRA: frozen weights get no weight grads
+    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size, trainable)
     loop.log(
         f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})"
@@ -245,7 +246,8 @@ def evaluate(runner, prepared, cfg, shard: int, shards: int) -> dict:
         for batch, weight in data.eval_batches(
             prepared.eval, cfg.per_device_eval_batch_size, shard, shards, cfg.max_eval_batches, prepared.pad_id
         ):
-            batch, weight = {k: v.to(device) for k, v in batch.items()}, weight.to(device)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # host ints stay
+            weight = weight.to(device)
             loss_sum, n, wrong = runner.eval_rows(batch)
             total[0] += (loss_sum * weight).sum()
             total[1] += (n * weight).sum()

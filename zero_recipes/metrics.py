@@ -19,18 +19,24 @@ from typing import Optional
 
 from . import atomic, moe, storage
 
-# Dense (not 2:4 sparse) peak, FLOP/s per device. NVIDIA's headline H100 figure of 1979 is sparse; using
-# it halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
+# Dense (not 2:4 sparse) peak, FLOP/s per device, from NVIDIA's and AMD's datasheets. NVIDIA's headline
+# figures are sparse; using them halves MFU (nanoGPT PR #464 reported "104 % MFU" from the wrong table).
+# "tf32" is fp32 through the tensor cores (--tf32, torch.backends.fp32_precision = "tf32"); "fp32" is plain
+# fp32, torch's default for matmuls, 7x slower on a Hopper. The PCIe and NVL cards run lower clocks and power than
+# the SXM ones of the same name, so they come first: the first name found in the device's name wins.
 PEAK_FLOPS = {
     # name substring: {dtype: flop/s}
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12},  # fp32 via TF32 tensor cores
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12},
-    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-    "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "fp32": 163e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
+    "H100 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12},
+    "H200 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM ("H100 80GB HBM3")
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # SXM and PCIe alike
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},  # no bf16 or TF32 tensor cores
+    "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "tf32": 653.7e12, "fp32": 163.4e12},
 }
 
 
@@ -41,10 +47,31 @@ def peak_flops_from_table(device_name: str, dtype: str) -> Optional[float]:
     return None
 
 
-def model_flops_per_token(config, seq_len: int) -> float:
+def fp32_matmul_kind() -> str:
+    """ "tf32" when fp32 matmuls run on the tensor cores (--tf32 true, or the user's own setting), else "fp32"."""
+    import torch
+
+    try:
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
+    except AttributeError:  # torch < 2.9
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def trainable_matmul_params(module) -> Optional[int]:
+    """Parameters that get weight gradients, when some are frozen (LoRA): None when all train. ZeRO-3's
+    partitioned parameters count whole (ds_numel)."""
+    params = {id(p): p for p in module.parameters()}.values()
+    if all(p.requires_grad for p in params):
+        return None
+    return sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+
+
+def model_flops_per_token(config, seq_len: int, trainable: Optional[int] = None) -> float:
     """Training FLOPs (forward + backward) per token for an HF decoder config, without recomputation. A
     mixture of experts counts what a token multiplies by (moe.mlp_params: its k experts, the router and the
-    shared experts), not every expert's weights."""
+    shared experts), not every expert's weights. With `trainable` (LoRA's adapters, the rest frozen) a frozen
+    weight costs 4 FLOPs a token (forward, and the backward's input gradient), not 6: it gets no weight
+    gradient. The adapters' own 6 each are added."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = text.hidden_size
     layers = text.num_hidden_layers
@@ -68,7 +95,8 @@ def model_flops_per_token(config, seq_len: int) -> float:
     mlp = (3 if gated else 2) * h * inter
     mlp_total = moe.mlp_params(config).active if moe.is_moe(config) else layers * mlp
     matmul_params = layers * attn + mlp_total + h * vocab  # + lm_head
-    return 6 * matmul_params + 12 * layers * q_out * seq_len
+    weights = 6 * matmul_params if trainable is None else 4 * matmul_params + 6 * trainable
+    return weights + 12 * layers * q_out * seq_len
 
 
 def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: str = "cpu") -> float:
@@ -79,6 +107,7 @@ def measure_matmul_peak(dtype_name: str = "fp32", seconds: float = 0.5, device: 
 
     dtype = {
         "fp32": torch.float32,
+        "tf32": torch.float32,  # as torch.backends.fp32_precision has it
         "bf16": torch.bfloat16,
         "fp16": torch.float16 if device != "cpu" else torch.float32,
     }[dtype_name]
@@ -106,6 +135,7 @@ def device_peak_flops(dtype_name: str, cache: Path | None = None) -> tuple[float
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
+        dtype_name = fp32_matmul_kind() if dtype_name == "fp32" else dtype_name
         peak = peak_flops_from_table(name, dtype_name)
         if peak:
             return peak, f"{name} datasheet dense {dtype_name}"

@@ -67,3 +67,56 @@ def test_a_measured_peak_is_kept_for_the_next_run(tmp_path):
     cache.write_text("{not json")
     remeasured, source = metrics.device_peak_flops("fp32", cache)
     assert remeasured > 1e8 and " on " not in source and len(json.loads(cache.read_text())) == 1
+
+
+def test_lora_flops_count_four_per_frozen_weight():
+    # a frozen weight gets no weight gradient: forward and input gradient, 4 FLOPs a token, where 6N is 15 % over
+    from peft import LoraConfig, get_peft_model
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config._attn_implementation = "eager"
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules="all-linear"))
+    x = torch.randint(0, 512, (2, 128))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=x, labels=x).loss.backward()
+    measured = counter.get_total_flops() / x.numel()
+    trainable = metrics.trainable_matmul_params(model)
+    assert trainable == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    # the first layer's input needs no gradient, so it does a little less than 4N: under 2 % here
+    assert metrics.model_flops_per_token(config, 128, trainable) == pytest.approx(measured, rel=0.02)
+    assert metrics.model_flops_per_token(config, 128) > 1.1 * measured
+    assert metrics.trainable_matmul_params(LlamaForCausalLM(config)) is None
+
+
+@pytest.mark.parametrize(
+    "name,dtype,peak",
+    [
+        ("NVIDIA H100 PCIe", "bf16", 756e12),
+        ("NVIDIA H100 NVL", "bf16", 835.5e12),
+        ("NVIDIA H200 NVL", "tf32", 417.5e12),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5e12),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67e12),  # no TF32: 7x below the TF32 figure
+        ("NVIDIA A100 80GB PCIe", "fp32", 19.5e12),
+    ],
+)
+def test_peak_table_tells_variants_and_tf32_apart(name, dtype, peak):
+    assert metrics.peak_flops_from_table(name, dtype) == peak
+
+
+def test_fp32_peak_follows_whether_tf32_is_on():
+    before = torch.backends.fp32_precision
+    try:
+        torch.backends.fp32_precision = "tf32"  # what --tf32 true sets
+        assert metrics.fp32_matmul_kind() == "tf32"
+        torch.backends.fp32_precision = "ieee"
+        assert metrics.fp32_matmul_kind() == "fp32"
+    finally:
+        torch.backends.fp32_precision = before
