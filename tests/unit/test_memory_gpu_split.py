@@ -81,3 +81,18 @@ def test_zero1_backward_holds_every_grad_once_plus_the_bucket():
     fb = gpu(zero(1)).phases["forward_backward"]
     assert fb["model_states_bytes"] / P == pytest.approx(2 + 12 / 8 + 2, rel=1e-3)
     assert fb["buffers_bytes"] == pytest.approx(5e8 * 2, rel=1e-3)
+
+
+def test_train_pys_host_line_is_per_node_on_many_nodes(monkeypatch):
+    # 16 ranks on 2 nodes of 8: without zero.Init each rank loads the fp32 model on its node's host before
+    # DeepSpeed moves it, so a node holds 8 copies, as one node of 8 does; 16 was the bug
+    from zero_recipes.config import TrainConfig
+    from zero_recipes.memory import for_run
+
+    ds = zero(2) | {"train_batch_size": 16}
+    cfg = TrainConfig(per_device_train_batch_size=1, block_size=2048)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    two_nodes, line = for_run(LLAMA_7B, ds, cfg, 16)
+    one_node, _ = for_run(LLAMA_7B, ds | {"train_batch_size": 8}, cfg, 8)
+    assert two_nodes.per_node["cpu_bytes"] == one_node.per_node["cpu_bytes"] >= 8 * 4 * SHAPE.num_params
+    assert f"host {two_nodes.per_node['cpu_bytes'] / 2**30:.2f} GiB per node" in line

@@ -403,15 +403,17 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     import torch
 
     try:
+        from ..distributed import rank_info
         from ..lora import lora_config
         from ..lora_options import enabled
 
+        per_node = min(world, rank_info()[3] or world)  # the launcher's ranks on this node: host memory is per node
         e = estimate(
             model_config,
             ds,
             Launch(
-                world,
-                1,
+                per_node,
+                -(-world // per_node),
                 cfg.per_device_train_batch_size,
                 cfg.block_size,
                 cfg.gradient_checkpointing,
