@@ -37,7 +37,8 @@ class EagerRunner:
 
     def micro_batch(self, batch: dict) -> dict:
         batch = self.parallelism.shard(batch, self.rank)
-        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
+        # a packed batch's cut points also come as host ints (packed_attention.varlen_kwargs): they stay here
+        return {k: v.to(self.engine.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def train_step(self, micro_batches: list[dict], logging_step: bool) -> tuple[list, object]:
         """One optimizer step over its micro-batches. Returns each micro-batch's loss (as the engine scaled

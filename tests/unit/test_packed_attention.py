@@ -1,14 +1,17 @@
 """Packed rows attend per example (zero_recipes/packed_attention.py): the same logits and gradients as
 transformers' block-diagonal mask and as each example alone, while eval, padded batches and decoding keep
-transformers' own sdpa path."""
+transformers' own sdpa path; with the collator's cut points no attention layer reads a device value."""
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zero_recipes import packed_attention
-from zero_recipes.model import TINY_LLAMA
+from zero_recipes.data import packing
+from zero_recipes.model import TINY_LLAMA, enable_checkpointing
 
 LENGTHS = [30, 50, 20]
 
@@ -32,9 +35,10 @@ def _row():
     return ids, pos
 
 
-def _forward_backward(m, ids, pos):
+def _forward_backward(m, ids=None, pos=None, **batch):
     m.zero_grad()
-    out = m(input_ids=ids, labels=ids, position_ids=pos, use_cache=False)
+    batch = batch or {"input_ids": ids, "labels": ids, "position_ids": pos}
+    out = m(**batch, use_cache=False)
     out.loss.backward()
     return out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
@@ -73,3 +77,51 @@ def test_eval_padding_and_decoding_keep_transformers_own_path(model):
         assert torch.equal(model(input_ids=ids, position_ids=pos, use_cache=False).logits, before)
         assert torch.equal(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, padded_before)
         assert torch.equal(model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False), generated_before)
+
+
+HOST_READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default"}
+"""aten ops whose result needs a device tensor's values on the host (a data-dependent shape, or .item()):
+each one a host sync on a GPU."""
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _packed_batch():
+    """Row 0: the three examples of _row(); row 1: two examples and a padding tail, as train.py collates them."""
+    rng = np.random.default_rng(2)
+    rows = [[(rng.integers(1, 4096, n), None) for n in LENGTHS], [(rng.integers(1, 4096, n), None) for n in (40, 35)]]
+    return packing.collate(rows, pad_id=0)
+
+
+def test_with_the_collators_cut_points_no_attention_layer_reads_the_device(model):
+    batch = _packed_batch()
+    model.train()
+    enable_checkpointing(model)  # the recompute runs attention a second time per layer
+    packed_attention.install()
+    split = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    reads: list = []
+
+    def recorded(*args, **kwargs):
+        with HostReads(reads):
+            return split(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = recorded
+    positions_only = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    logits, grads = _forward_backward(model, **positions_only)
+    layers = model.config.num_hidden_layers
+    assert reads.count("aten.nonzero.default") == 2 * 2 * layers  # derived per row, per layer, twice
+    reads.clear()
+    got_logits, got_grads = _forward_backward(model, **batch)
+    assert reads == []
+    assert torch.equal(got_logits, logits)  # the same slices, so the same bits
+    for name, g in got_grads.items():
+        assert torch.equal(g, grads[name]), name

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_recipes import data
+from zero_recipes import data, packed_attention
 from zero_recipes.config import TrainConfig
 from zero_recipes.data import packing
 from zero_recipes.data.streaming import prepare_stream
@@ -45,6 +45,27 @@ def test_collate_restarts_positions_and_masks_segment_starts():
     assert b["input_ids"][1].tolist() == [100, 101, 102] + [0] * 7
     single = data.collate([[(toks[:3], None)], [(toks[:5], None)]], pad_id=0)
     assert "position_ids" not in single and single["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert not [k for k in single if k.startswith(("cu_seq_lens", "max_length"))]  # no cut points unpacked
+
+
+def test_the_collator_gives_the_cut_points_the_attention_would_derive():
+    """Computed once per batch on the host, they equal what packed_attention and transformers' varlen flash
+    path derive from the restarting position ids in every layer (transformers' own function is the check)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    toks = np.arange(1, 11)
+    rows = [[(toks[:4], None), (toks[:6], None)], [(toks[:3], None)], [(toks, None)]]  # row 1 has a padding tail
+    b = data.collate(rows, pad_id=0)
+    rows_n, width = b["input_ids"].shape
+    assert b["cu_seq_lens_host"] == (0, 4, 10, 13, 20, 30)  # the batch's tokens end to end: 3 rows of 10
+    assert b["cu_seq_lens_q"].dtype == torch.int32 and b["cu_seq_lens_q"].tolist() == list(b["cu_seq_lens_host"])
+    (cu_q, cu_k), (longest_q, longest_k) = prepare_fa_kwargs_from_position_ids(b["position_ids"])
+    assert torch.equal(b["cu_seq_lens_q"], cu_q) and torch.equal(b["cu_seq_lens_k"], cu_k)
+    assert b["max_length_q"] == b["max_length_k"] == int(longest_q) == int(longest_k) == 10
+    assert type(b["max_length_q"]) is int  # flash-attn takes an int; a tensor would be read on the host per layer
+    per_row = packed_attention.per_row(b["cu_seq_lens_host"], rows_n, width)
+    assert per_row == packed_attention.cuts_from_positions(b["position_ids"], rows_n, width)
+    assert per_row == [[0, 4, 10], [0, 3, 10], [0, 10]]
 
 
 def tiny_model(model_type, attn):

@@ -3,8 +3,9 @@
 A sample (one row of a batch) is a list of segments of a flat token array. Pretraining samples are
 fixed windows of the whole concatenated stream (one segment, nothing dropped but the final tail). SFT
 samples are whole examples: one per row, or several packed per row by best-fit decreasing. In a packed
-row the position ids restart at each example, and transformers turns restarting position ids into a
-block-diagonal causal mask (sdpa/eager) or varlen flash attention, so examples never see each other.
+row the position ids restart at each example, and the batch carries the cut points between examples
+(packed_attention.varlen_kwargs: computed here once per batch, so no attention layer derives them from the
+position ids on the device), so examples never see each other.
 """
 
 from __future__ import annotations
@@ -77,8 +78,12 @@ def collate(rows: list, pad_id: int, length: int | None = None) -> dict:
     Labels are -100 on masked (prompt) tokens, on padding, and at the first token of every segment, which
     must not be predicted from the previous example. A batch with a packed row passes position ids that
     restart per segment, with any padding as one more segment; a batch of single segments with padding
-    passes a plain attention mask, which every model understands."""
+    passes a plain attention mask, which every model understands. A packed batch also carries its cut
+    points as transformers' varlen attention kwargs (packed_attention.varlen_kwargs), over the batch's
+    tokens laid end to end: where each segment starts, then b x T."""
     import torch
+
+    from ..packed_attention import varlen_kwargs
 
     lens = [sum(len(t) for t, _ in r) for r in rows]
     T = length or max(lens)
@@ -87,10 +92,13 @@ def collate(rows: list, pad_id: int, length: int | None = None) -> dict:
     labels = np.full((b, T), -100, dtype=np.int64)
     packed = any(len(r) > 1 for r in rows)
     pos = np.zeros((b, T), dtype=np.int64) if packed else None
+    cuts = []
     for i, r in enumerate(rows):
         at = 0
         for toks, mask in r:
             n = len(toks)
+            if n:
+                cuts.append(i * T + at)
             ids[i, at : at + n] = toks
             lab = np.asarray(toks, dtype=np.int64) if mask is None else np.where(np.asarray(mask) > 0, toks, -100)
             labels[i, at : at + n] = lab
@@ -100,9 +108,11 @@ def collate(rows: list, pad_id: int, length: int | None = None) -> dict:
             at += n
         if packed and at < T:
             pos[i, at:] = np.arange(T - at)
+            cuts.append(i * T + at)  # the padding tail: one more segment, as its restarting positions say
     batch = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
     if packed:
         batch["position_ids"] = torch.from_numpy(pos)
+        batch.update(varlen_kwargs([*cuts, b * T]))
     elif min(lens) < T:
         batch["attention_mask"] = torch.from_numpy((np.arange(T)[None, :] < np.asarray(lens)[:, None]).astype(np.int64))
     return batch
