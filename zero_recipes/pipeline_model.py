@@ -234,8 +234,9 @@ class PipelinedCausalLM(PipelineModule):
         local = range(self._local_start, self._local_stop)
         self._layer_specs = [spec if i in local else None for i, spec in enumerate(self._layer_specs)]
 
-    def stage_state_dict(self) -> dict:
-        """This stage's weights under their HF names (CPU copies), the tied head's copy left out."""
+    def stage_tensors(self) -> dict:
+        """This stage's weights under their HF names, the tied head's copy left out: the module's own tensors,
+        not copies."""
         out = {}
         for offset, layer in enumerate(self.forward_funcs):
             if not isinstance(layer, nn.Module):
@@ -243,19 +244,28 @@ class PipelinedCausalLM(PipelineModule):
             for key, value in layer.state_dict().items():
                 name = hf_name(self._local_start + offset, key, self.n_layers, self.tied_head, self.prefix)
                 if name is not None:
-                    out[name] = value.detach().cpu().clone()
+                    out[name] = value.detach()
         return out
 
     def full_state_dict(self, rank: int) -> Optional[dict]:
-        """Collective: every stage's weights, whole, on rank 0 (None elsewhere). Each pipeline holds all of
-        them; the first pipeline's stages send theirs, to rank 0 alone (an all-gather would leave a copy of the
-        whole model on every rank)."""
-        first_pipeline = self._grid.get_data_parallel_rank() == 0
-        parts = [None] * torch.distributed.get_world_size() if rank == 0 else None
-        torch.distributed.gather_object(self.stage_state_dict() if first_pipeline else None, parts, dst=0)
-        if rank != 0:
+        """Every stage's weights, whole, as a CPU state dict on rank 0 (None elsewhere): the state dict the
+        export writes. The first pipeline's stages send theirs to rank 0 (stage 0) one tensor at a time, point
+        to point on the host group (gloo: no CUDA buffer on rank 0, no NCCL communicator per pair of ranks);
+        the other pipelines hold the same weights and send nothing. So rank 0 holds the model once, and a
+        sender one tensor's host copy: `gather_object` padded every rank's pickled stage to the largest, and
+        on NCCL rank 0 allocated world x that in CUDA bytes (32 x 17.5 GB at 70B pp8 x dp4)."""
+        if self._grid.get_data_parallel_rank() != 0:
             return None
-        return {k: v for part in parts if part for k, v in part.items()}
+        own = self.stage_tensors()
+        if rank != 0:
+            _send_stage(own)
+            return None
+        # rank 0 is stage 0 of the first pipeline in DeepSpeed's topology. Copies: views of a flat buffer
+        # (ZeRO-1's) would read as shared tensors to save_pretrained
+        sd = {name: value.to("cpu", copy=True) for name, value in own.items()}
+        for stage in range(1, self.num_stages):
+            sd.update(_receive_stage(self._grid.stage_to_global(stage)))
+        return sd
 
     def save_pretrained(self, out_dir, state_dict: dict, **kwargs) -> None:
         """The HF model directory of `state_dict`, written through the model class's own save_pretrained on a
@@ -263,3 +273,32 @@ class PipelinedCausalLM(PipelineModule):
         with torch.device("meta"):
             shell = self.hf_class._from_config(self.config)
         shell.save_pretrained(out_dir, state_dict=state_dict, **kwargs)
+
+
+def _send_stage(tensors: dict) -> None:
+    """To rank 0 on the host group: the names, shapes and dtypes first (one small object), then each tensor,
+    copied to the host one at a time (a CPU tensor as it is)."""
+    import torch.distributed as dist
+
+    from .distributed import host_group
+
+    group = host_group()
+    dist.send_object_list([[(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]], dst=0, group=group)
+    for t in tensors.values():
+        dist.send(t.cpu().contiguous(), dst=0, group=group)
+
+
+def _receive_stage(src: int) -> dict:
+    """On rank 0: what `_send_stage` sent from rank `src`, each tensor received into the CPU tensor kept."""
+    import torch.distributed as dist
+
+    from .distributed import host_group
+
+    group = host_group()
+    meta = [None]
+    dist.recv_object_list(meta, src=src, group=group)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        out[name] = torch.empty(shape, dtype=dtype)
+        dist.recv(out[name], src=src, group=group)
+    return out

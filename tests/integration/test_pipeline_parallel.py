@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import export_memory
 from helpers import (
     CONFIGS,
     FAST,
@@ -66,7 +67,8 @@ def pp_run(tmp_path_factory):
     def get(name: str):
         if name not in runs:
             out = tmp_path_factory.mktemp(name) / "run"
-            runs[name] = launch(pp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="forked")
+            # each rank's export gather is measured too (tests/export_memory.py)
+            runs[name] = export_memory.launch(pp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0])
             runs[name].check()
         return runs[name]
 
@@ -242,3 +244,20 @@ def test_the_mesh_in_the_docs_is_what_the_dry_run_draws():
     out = dry_run_in_process(*args, world=32, local_world=8)
     assert "32 ranks = 4 data-parallel x 8 pipeline-parallel" in out
     assert drawn_in_docs in out and len(drawn_in_docs.splitlines()) == 6
+
+
+def test_the_export_holds_the_model_once_on_rank_0_and_no_copy_on_the_other_ranks(pp_run):
+    """What each rank allocates while the export gathers the stages' weights (tests/export_memory.py: the CPU
+    allocator's own count) in PP2 x DP2 on 4 ranks: rank 0 (stage 0) may hold the state dict it writes, the
+    whole model once; rank 2 (stage 1 of the first pipeline) sends its weights as they are; ranks 1 and 3 (the
+    second pipeline) send nothing. Measured: rank 0 peaks at exactly the model's 7,148,032 bytes, rank 2 at
+    1,014 (the names and shapes), ranks 1 and 3 at 0. Before the fix (torch.distributed.gather_object: every
+    rank's pickled stage in a byte tensor padded to the largest stage, rank 0 receiving 4 x that, then
+    unpickling) rank 0 peaked at 5.0x the model, rank 2 at 2.0x its stage, and ranks 1 and 3, which sent None,
+    at the largest stage each. On NCCL those byte tensors are CUDA memory: 32 x 17.5 GB on rank 0's GPU for
+    the 70B pp8 x dp4 recipe."""
+    writer, *others = export_memory.read(pp_run("pp2xdp2-zero1").output_dir, 4)
+    model = writer["written"]
+    assert writer["held"] == model and all(r["held"] == r["written"] == 0 for r in others), (writer, others)
+    assert writer["peak"] <= model * 1.01 + 64 * 1024, (writer, model)  # each received tensor is the one kept
+    assert all(r["peak"] <= 64 * 1024 for r in others), others  # names and shapes; no copy of a weight
