@@ -85,10 +85,13 @@ def expert_layers(module) -> dict:
     return {name: m for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)}
 
 
-def whole_experts(layer):
-    """(w1, w2, w3) of every expert of one AutoEP layer, on every rank: this rank's, gathered from ZeRO-3
-    partitions when partitioned, then all-gathered over its expert-parallel group (rank r holds the r-th
-    contiguous block: AutoEP's expert_placement_descriptor). Collective over the world."""
+def whole_experts(layer, rank: int):
+    """(w1, w2, w3) of every expert of one AutoEP layer on rank 0's CPU, None elsewhere. Each rank's own experts
+    are gathered from their ZeRO-3 partitions when partitioned (collective over the world), then the
+    expert-parallel group that holds rank 0 gathers them to it (group rank r holds the r-th contiguous block:
+    AutoEP's expert_placement_descriptor). The other groups hold the same experts and send nothing; a sender
+    sends its tensors as they are and keeps no copy. An all-gather here left every rank a CPU copy of all the
+    experts until the export returned: about 57 GB a rank for Qwen3-30B-A3B."""
     from contextlib import nullcontext
 
     import deepspeed
@@ -97,53 +100,64 @@ def whole_experts(layer):
 
     weights = [layer.experts.w1, layer.experts.w2, layer.experts.w3]
     gather = deepspeed.zero.GatheredParameters(weights) if hasattr(weights[0], "ds_id") else nullcontext()
-    with gather:
-        local = [w.detach().clone() for w in weights]
+    sends = 0 in dist.get_process_group_ranks(layer.ep_group)
     out = []
-    for w in local:
-        parts = [torch.empty_like(w) for _ in range(layer.ep_size)]
-        dist.all_gather(parts, w, group=layer.ep_group)
-        out.append(torch.cat(parts).cpu())
-    return out
+    with gather:
+        for w in weights if sends else []:
+            local = w.detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(layer.ep_size)] if rank == 0 else None
+            dist.gather(local, parts, dst=0, group=layer.ep_group)
+            if rank == 0:
+                out.append(torch.cat(parts).cpu())
+    return out if rank == 0 else None
 
 
 def hf_state_dict(module, sd, rank: int, hf_shapes: dict):
     """`sd` (rank 0's gathered state dict of the AutoEP model; None elsewhere) under the HF family's names and
-    layout (`to_hf_names`), with every rank's experts. `hf_shapes`: the HF model's tensor shapes by name.
-    Collective (whole_experts)."""
+    layout, with every rank's experts. `hf_shapes`: the HF model's tensor shapes by name. Collective
+    (whole_experts), one layer at a time: rank 0 puts each layer's experts into `sd` as they arrive, so it
+    holds what it writes and one layer's gather; the other ranks keep nothing."""
     layers = expert_layers(module)
-    experts = {prefix: whole_experts(layer) for prefix, layer in layers.items()}
-    if rank != 0:
-        return None
     params = {f"{prefix}.{n}" for prefix, layer in layers.items() for n, _ in layer.named_parameters()}
-    return to_hf_names(sd, experts, hf_shapes, params)
+    for prefix, layer in layers.items():
+        experts = whole_experts(layer, rank)
+        if rank == 0:
+            layer_to_hf_names(sd, prefix, experts, hf_shapes, params)
+    return sd if rank == 0 else None
 
 
 def to_hf_names(sd: dict, experts: dict, hf_shapes: dict, params=None) -> dict:
-    """An AutoEP state dict under the HF family's names: each layer's experts (`experts`: module path ->
-    (w1, w2, w3) of every expert, [E, I, H], [E, H, I], [E, I, H]) in `experts.gate_up_proj` /
+    """An AutoEP state dict under the HF family's names, `experts` (module path -> (w1, w2, w3) of every
+    expert) emptied into it layer by layer (layer_to_hf_names)."""
+    for prefix in list(experts):
+        layer_to_hf_names(sd, prefix, experts.pop(prefix), hf_shapes, params)
+    return sd
+
+
+def layer_to_hf_names(sd: dict, prefix: str, experts, hf_shapes: dict, params=None) -> None:
+    """One AutoEP layer of `sd` (at module path `prefix`) under the HF family's names, in place: its experts
+    (w1, w2, w3 of every expert, [E, I, H], [E, H, I], [E, I, H]) in `experts.gate_up_proj` /
     `experts.down_proj` (w1 and w3 are the gate and up halves, as AutoEP's ep_repack cut them), the router as
     `gate`, the shared experts as the family names them. A tensor with no HF name is AutoEP's own (its token
     counts, the router's alias) and is dropped; a parameter in `params` without one is an error."""
     import torch
 
-    for prefix, (w1, w2, w3) in experts.items():
-        for name in [k for k in sd if k.startswith(prefix + ".")]:
-            value, rest = sd.pop(name), name[len(prefix) + 1 :]
-            if rest.startswith("experts."):
-                continue
-            target = next((c for c in _hf_names(prefix, rest) if c in hf_shapes), None)
-            if target is not None:
-                sd.setdefault(target, value)
-            elif params is not None and name in params:
-                raise RuntimeError(f"export: no HF name for AutoEP parameter {name}")
-        gate_up, down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
-        if hf_shapes[gate_up][1] == 2 * w1.shape[1]:  # [E, 2I, H]
-            sd[gate_up] = torch.cat([w1, w3], dim=1)
-        else:  # the transposed layout [E, H, 2I]
-            sd[gate_up] = torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous()
-        sd[down] = w2 if tuple(hf_shapes[down]) == tuple(w2.shape) else w2.transpose(1, 2).contiguous()
-    return sd
+    w1, w2, w3 = experts
+    for name in [k for k in sd if k.startswith(prefix + ".")]:
+        value, rest = sd.pop(name), name[len(prefix) + 1 :]
+        if rest.startswith("experts."):
+            continue
+        target = next((c for c in _hf_names(prefix, rest) if c in hf_shapes), None)
+        if target is not None:
+            sd.setdefault(target, value)
+        elif params is not None and name in params:
+            raise RuntimeError(f"export: no HF name for AutoEP parameter {name}")
+    gate_up, down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+    if hf_shapes[gate_up][1] == 2 * w1.shape[1]:  # [E, 2I, H]
+        sd[gate_up] = torch.cat([w1, w3], dim=1)
+    else:  # the transposed layout [E, H, 2I]
+        sd[gate_up] = torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous()
+    sd[down] = w2 if tuple(hf_shapes[down]) == tuple(w2.shape) else w2.transpose(1, 2).contiguous()
 
 
 def experts_from_files(files) -> dict:

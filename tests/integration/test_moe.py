@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+import export_memory
 from helpers import CONFIGS, FAST, at_step_4, export_diff, fault_env, launch, refusal, remove_shm, step_losses
 from zero_recipes.shipped import EXPERT_PARALLEL, SEQUENCE_PARALLEL
 
@@ -60,7 +61,8 @@ def moe_run(tmp_path_factory):
     def get(name: str):
         if name not in runs:
             out = tmp_path_factory.mktemp(name.replace("+", "-")) / "run"
-            runs[name] = launch(moe_args(*LAYOUTS[name]) + ["--verify_export"], out, launcher="forked").check()
+            # each rank's export gather is measured too (tests/export_memory.py)
+            runs[name] = export_memory.launch(moe_args(*LAYOUTS[name]) + ["--verify_export"], out).check()
         return runs[name]
 
     return get
@@ -240,3 +242,16 @@ def test_experts_kept_as_separate_modules_are_gathered_whole_under_zero3(per_exp
     assert "moe: PerExpertMoeBlock keep experts as separate modules" in run.log
     got, want = step_losses(run), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 5)) <= PARITY, (got, want)
+
+
+def test_the_expert_parallel_export_leaves_the_experts_on_rank_0_alone(moe_run):
+    """What each rank allocates while the export gathers every rank's experts (tests/export_memory.py: the CPU
+    allocator's own count) under ZeRO-2 + EP2: rank 0 holds the state dict it writes and about a layer's experts
+    more while it converts them; rank 1 sends its experts as they are and keeps nothing. Measured before the fix
+    (an all-gather per layer, every rank keeping every layer's experts until the export returned): rank 1
+    peaked at 835,584 bytes, 1.4x all the experts; for Qwen3-30B-A3B that was about 57 GB on every rank."""
+    writer, sender = export_memory.read(moe_run("zero2+ep2").output_dir, 2)
+    layer = 3 * MIXTRAL["num_local_experts"] * MIXTRAL["intermediate_size"] * MIXTRAL["hidden_size"] * 4  # fp32
+    assert writer["held"] == writer["written"] and sender["held"] == sender["written"] == 0, (writer, sender)
+    assert sender["peak"] <= layer // 16, (sender, layer)  # no copy of its experts, let alone everyone's
+    assert writer["peak"] <= writer["written"] + 2 * layer, (writer, layer)
