@@ -197,3 +197,14 @@ def test_recipe_header_memory_estimate_is_current(recipe, quick_start_model):
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = re.search(r"peak per GPU: ([0-9.]+) GiB", proc.stdout).group(1)
     assert printed == stated.group(1), f"{recipe.name} says {stated.group(1)} GiB; the tool now says {printed}"
+
+
+def test_the_gpu_kits_command_is_the_one_docs_speed_gives():
+    # the lent GPU's 15 minutes are spent on the line docs/speed.md shows: it must be the script's
+    import subprocess
+
+    command = subprocess.run(
+        ["bash", "tools/gpu_kit.sh", "--command"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert "tools/benchmark.py gpu --out-dir $OUT" in command
+    assert f"\n{command}\n" in (REPO / "docs" / "speed.md").read_text()
