@@ -10,11 +10,14 @@ What train.py adds around DeepSpeed's pieces, and why:
   group already hold the same rows (the data order is sharded by data-parallel rank), so the adapter's
   all-gather of every rank's batch would move data each rank has. The cut is the adapter's: labels
   pre-shifted into `shift_labels`, position ids kept global, the attention mask dropped.
-- Packed rows stay apart (`packed_attention.per_example_sdpa`): DeepSpeed's Ulysses drops the attention
-  mask and sdpa would then attend causally across the whole row, letting packed examples see each other. The
-  wrapper runs sdpa once per example, found from the gathered position ids that restart at 0. flash-attention
-  keeps them apart itself (varlen from position ids); flex-attention does not (DeepSpeed rebuilds a plain
-  causal mask), so packing with it is refused.
+- Packed rows stay apart: DeepSpeed's Ulysses drops the attention mask and passes every other kwarg to the
+  kernel unchanged (position ids gathered to whole rows), so a kernel left alone attends causally across the
+  whole row, letting packed examples see each other. `shard` therefore keeps the collator's cut points between
+  examples (packed_attention.varlen_kwargs), re-laid for the whole rows Ulysses attends over (padded to a
+  multiple of N), and both kernels read them: sdpa runs once per example (`packed_attention.per_example_sdpa`,
+  no host sync per layer), flash-attention runs varlen on `cu_seq_lens_q/k` (transformers derives varlen from
+  position ids only for a one-row micro-batch, so without them rows of a larger one mixed their examples).
+  flex-attention gets a plain causal mask (DeepSpeed rebuilds it), so packing with it is refused.
 - Eval and the export check run without SP (DeepSpeed's `disable_in_eval`): every rank evaluates whole
   rows of its own, as data parallelism over all ranks.
 """
@@ -222,7 +225,8 @@ def shard(batch: dict, sp_rank: int, sp: int) -> dict:
     """This rank's slice of every sequence in a batch, cut as DeepSpeed's UlyssesSPDataLoaderAdapter cuts
     it: the targets pre-shifted into `shift_labels` (the target of the slice's last token is the first token
     of the next rank's slice), global position ids (Ulysses gathers them for attention), no attention mask.
-    Rows are first padded to a multiple of `sp` with ignored tokens after the end."""
+    Rows are first padded to a multiple of `sp` with ignored tokens after the end. A packed batch keeps its
+    cut points (`gathered_cuts`): not sliced, they describe the whole rows each attention call sees."""
     import torch
     import torch.nn.functional as F
 
@@ -239,8 +243,20 @@ def shard(batch: dict, sp_rank: int, sp: int) -> dict:
         pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, dtype=pos.dtype)], dim=1)
     n = (length + pad) // sp
     cut = slice(sp_rank * n, (sp_rank + 1) * n)
-    return {
+    out = {
         "input_ids": ids[:, cut].contiguous(),
         "position_ids": pos[:, cut].contiguous(),
         "shift_labels": targets[:, cut].contiguous(),
     }
+    cuts = batch.get(packed_attention.HOST_CUTS)
+    if cuts is not None:
+        out.update(packed_attention.varlen_kwargs(gathered_cuts(cuts, length, pad)))
+    return out
+
+
+def gathered_cuts(cuts, length: int, pad: int) -> list[int]:
+    """A batch's cut points (offsets into its rows of `length` laid end to end, packing.collate) for the same
+    rows `pad` tokens longer, as Ulysses gathers them for attention. The pad tokens continue the positions of
+    their row's last segment, so they join it: each offset moves by `pad` per row before it, the total too.
+    The same cuts as derived from the gathered position ids, without reading them in every layer."""
+    return [c + c // length * pad for c in cuts]

@@ -3,6 +3,7 @@ what is refused before any process group starts."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -112,6 +113,59 @@ def test_shard_cuts_each_row_into_slices_that_add_up_to_the_whole():
     pos = torch.cat([p["position_ids"] for p in parts], dim=1)
     assert pos[0, :8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]  # global, restarting per packed example
     assert "attention_mask" not in parts[0]
+
+
+class _Nonzero(TorchDispatchMode):
+    """Counts aten.nonzero: the per-layer derivation of cut points from position ids (a host sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += str(func) == "aten.nonzero.default"
+        return func(*args, **(kwargs or {}))
+
+
+def test_shard_keeps_the_cut_points_of_the_whole_rows_ulysses_attends_over():
+    """Ulysses gathers the slices of each row back into the whole (padded) row for attention and passes the
+    batch's other kwargs through: every rank's shard carries that row's cut points, the ones transformers
+    derives from the gathered position ids, so sdpa splits by them without reading the ids in each layer and
+    flash-attention runs varlen on them at any micro-batch size."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    rows = [
+        [([5, 6, 7, 8, 9], [0, 0, 1, 1, 1]), ([10, 11, 12], None)],
+        [([20, 21, 22, 23, 24, 25, 26], None)],
+        [([30, 31], None), ([32, 33, 34], None)],
+    ]
+    batch = collate(rows, pad_id=0)  # 8 tokens wide; rows 1 and 2 end in a padding segment
+    parts = [sequence_parallel.shard(batch, r, 3) for r in range(3)]  # 8 -> padded to 9
+    pos = torch.cat([p["position_ids"] for p in parts], dim=1)  # what Ulysses gathers
+    (cu_q, cu_k), (longest_q, _) = prepare_fa_kwargs_from_position_ids(pos)
+    for p in parts:  # the same on every rank: they describe the gathered rows, not the slice
+        assert p["cu_seq_lens_host"] == (0, 5, 9, 16, 18, 20, 23, 27)  # each row's pad joins its last segment
+        assert torch.equal(p["cu_seq_lens_q"], cu_q) and torch.equal(p["cu_seq_lens_k"], cu_k)
+        assert p["max_length_q"] == p["max_length_k"] == int(longest_q) == 7
+    host_rows = packed_attention.per_row(parts[0]["cu_seq_lens_host"], 3, 9)
+    assert host_rows == packed_attention.cuts_from_positions(pos, 3, 9)
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 1, True
+    q, k, v = (torch.randn(3, 4, 9, 8) for _ in range(3))  # after the all-to-all: whole rows, some heads
+    attention = packed_attention.per_example_sdpa(sdpa_attention_forward)
+    counted = {}
+    for name, kwargs in (
+        ("positions", {}),
+        ("cuts", {x: parts[0][x] for x in parts[0] if x.startswith(("cu_", "max_"))}),
+    ):
+        with _Nonzero() as seen:
+            counted[name] = (attention(module, q, k, v, None, position_ids=pos, **kwargs)[0], seen.calls)
+    assert counted["positions"][1] == 3 and counted["cuts"][1] == 0  # derived per row, or read from the batch
+    assert torch.equal(counted["cuts"][0], counted["positions"][0])  # the same slices, the same bits
+    unpacked = sequence_parallel.shard(collate([[([1, 2, 3], None)], [([4, 5], None)]], pad_id=0), 0, 3)
+    assert not [x for x in unpacked if x.startswith(("cu_", "max_"))]  # nothing to keep apart
 
 
 def test_per_example_sdpa_keeps_packed_examples_apart_when_ulysses_drops_the_mask():
