@@ -2,7 +2,9 @@
 packed with the benchmark's conversation lengths, three ways, in this process (1 thread):
 - text: the same tokens as one causal sequence per row (what pretraining text costs);
 - block mask: transformers' block-diagonal mask from the restarting position ids (sdpa over the whole row);
-- per example: zero_recipes/packed_attention.py, one causal sdpa call per example (what train.py runs).
+- per example: zero_recipes/packed_attention.py, one causal sdpa call per example (what train.py runs), on the
+  batch as train.py's collator builds it (data/packing.py `collate`: position ids and the cut points between
+  examples, so no layer derives them from the position ids).
 The median of 5 timed steps each, and the share of the masked step spent in attention (torch.profiler).
 """
 
@@ -34,6 +36,7 @@ def measure(block: int, high: int) -> dict:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from zero_recipes import packed_attention
+    from zero_recipes.data import packing
     from zero_recipes.model import TINY_LLAMA
 
     torch.set_num_threads(1)
@@ -43,12 +46,20 @@ def measure(block: int, high: int) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).train()
     lengths = rows(block, high)
-    pos = torch.stack([torch.cat([torch.arange(n) for n in r] + [torch.arange(block - sum(r))]) for r in lengths])
-    ids = torch.randint(0, config.vocab_size, (2, block))
+    tokens = torch.randint(1, config.vocab_size, (sum(map(sum, lengths)),)).tolist()
+    segments, at = [], 0
+    for r in lengths:
+        segments.append([])
+        for n in r:
+            segments[-1].append((tokens[at : at + n], None))
+            at += n
+    batch = packing.collate(segments, pad_id=0, length=block)  # what train.py feeds: the padding tail included
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    cuts = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}  # position ids and cut points
 
     def step(**kw) -> float:
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids, use_cache=False, **kw).loss.backward()
+        model(input_ids=ids, labels=labels, use_cache=False, **kw).loss.backward()
         model.zero_grad()
         return time.perf_counter() - start
 
@@ -65,7 +76,7 @@ def measure(block: int, high: int) -> dict:
     out["block_mask_attention_share"] = sum(e.self_cpu_time_total for e in ops if "attention" in e.key) / total
     packed_attention.install()
     try:
-        out["per_example"] = timed(position_ids=pos)
+        out["per_example"] = timed(**cuts)
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
     return out
