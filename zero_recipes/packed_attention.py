@@ -13,8 +13,8 @@ under the names transformers' varlen flash path reads (`cu_seq_lens_q/k`, `max_l
 DataCollatorWithFlattening gives them) plus their host copy (`cu_seq_lens_host`). The model's forward passes
 them to every attention call through its **kwargs. Deriving them in each layer from the position ids, as this
 module used to, reads device values: a host sync per layer (two with gradient checkpointing's recompute), which
-on a GPU stalls the launch queue. Callers that do not pass them (sequence parallelism, whose shard drops them,
-and the pipeline, which passes only position ids) still get the per-layer derivation.
+on a GPU stalls the launch queue. Callers that do not pass them (the pipeline, which passes only position ids
+between stages) still get the per-layer derivation.
 
 With `--attn_implementation flash_attention_2` the same kwargs drive transformers' own varlen path; without
 them transformers reads packed position ids only for a batch of one row, so rows of a larger micro-batch

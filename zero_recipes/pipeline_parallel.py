@@ -74,6 +74,15 @@ class PipelineParallel(ParallelAxis):
                 "twice under a pipeline and every stage but the last dies at its first backward; set it false "
                 "(tools/benchmark.py pipeline times the schedule's instructions instead)"
             )
+        packs = cfg.packing and cfg.dataset_format != "text"
+        if packs and cfg.attn_implementation.startswith("flash_attention") and cfg.per_device_train_batch_size > 1:
+            # transformers' flash path finds packed examples from position ids for a one-row batch only, and the
+            # collator's cut points (varying in size per batch) cannot travel between stages with the activations
+            raise ConfigError(
+                f"--attn_implementation {cfg.attn_implementation} with packed examples under pipeline.stages keeps "
+                "the examples of a multi-row micro-batch apart only with one row: use --attn_implementation sdpa "
+                "(exact per example), --per_device_train_batch_size 1, or --packing false"
+            )
         if cfg.torch_compile:
             raise ConfigError(
                 "--torch_compile with pipeline.stages: DeepSpeed's engine.compile() does not cover the pipeline "

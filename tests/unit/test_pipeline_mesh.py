@@ -68,6 +68,23 @@ def test_a_pipeline_block_that_would_not_mean_what_it_says_is_refused(block, say
         axis.check(AutoConfig.for_model(**TINY_LLAMA), ds, TrainConfig())
 
 
+def test_flash_attention_on_packed_multi_row_micro_batches_is_refused_under_a_pipeline():
+    # examples would attend to each other: transformers reads packed position ids for one row only
+    axis = PipelineParallel(parallel.Mesh(2, pp=2))
+    ds = {"pipeline": {"stages": 2}}
+    axis.configure(ds)
+    config = AutoConfig.for_model(**TINY_LLAMA)
+    flash = TrainConfig(attn_implementation="flash_attention_2", per_device_train_batch_size=4)
+    with pytest.raises(ConfigError, match="--per_device_train_batch_size 1, or --packing false"):
+        axis.check(config, ds, flash)
+    for fine in (
+        TrainConfig(attn_implementation="flash_attention_2", per_device_train_batch_size=1),
+        TrainConfig(attn_implementation="flash_attention_2", per_device_train_batch_size=4, dataset_format="text"),
+        TrainConfig(attn_implementation="sdpa", per_device_train_batch_size=4),
+    ):
+        assert axis.check(config, ds, fine) == ()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_pipeline_layer_key_maps_to_one_hf_name(tied):
     """The layer files' keys (pipeline_model's wrappers) become exactly the HF model's state-dict names."""
