@@ -10,7 +10,6 @@ Layout:  output_dir/checkpoints/latest     the newest complete tag, written afte
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 import zipfile
@@ -19,6 +18,7 @@ from typing import Optional
 
 from . import atomic, storage
 from .errors import ConfigError
+from .rng import rng_state
 
 LAYOUT = "layout.json"  # per checkpoint: the data-parallel size, TP, SP and PP sizes and ZeRO stage that saved it
 UNIVERSAL_SUFFIX = "-universal"
@@ -195,38 +195,6 @@ def check_intact(where: tuple[Path, str], what: str = "") -> None:
         f"the newest intact checkpoint before it is {base / intact}" if intact else "no checkpoint before it is intact"
     )
     raise ConfigError(f"{what}{base / tag} is damaged: {problem}; {hint}")
-
-
-def rng_state() -> dict:
-    """Every generator this rank draws from: Python's, numpy's, torch's CPU one and its accelerator's (dropout on
-    a GPU draws from the CUDA generator; on the CPU accelerator it is the CPU one again)."""
-    import numpy as np
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "accelerator": {"device": acc.device_name(), "state": acc.get_rng_state()},
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore `rng_state()`. The accelerator's state comes back on the same kind of device only: a CUDA
-    generator's state means nothing to another device (a checkpoint resumed on the CPU, or one saved before
-    the accelerator's state was kept)."""
-    import numpy as np
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    acc, saved = get_accelerator(), state.get("accelerator")
-    if saved and saved["device"] == acc.device_name() and saved["device"] != "cpu":
-        acc.set_rng_state(saved["state"])
 
 
 def save(

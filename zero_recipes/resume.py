@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume, set_rng_state
+from .checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume
 from .errors import ConfigError
 from .mesh import ranks_in_words
+from .rng import set_rng_state
 
 
 def layout_change(where: tuple[Path, str], mesh, stage: int) -> Optional[dict]:

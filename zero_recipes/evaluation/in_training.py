@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .. import storage
-from ..checkpoint import rng_state, set_rng_state
 from ..errors import ConfigError
+from ..rng import rng_state, set_rng_state
 from . import harness
 
 SAMPLES_STEM = "eval_samples"
