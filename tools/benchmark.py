@@ -45,49 +45,44 @@ script's folder; not installed with zero_recipes).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from bench import (
-    cleaning,
-    data,
-    estimator,
-    estimator_public,
-    export,
-    gpu,
-    longctx,
-    lora,
-    moe,
-    parallel,
-    pipeline,
-    settings,
-    sft,
-    speed,
-    speed_profile,
-)
+# Each subcommand and the bench module that defines it (its add_parsers), in --help's order. Only the named
+# command's module is imported, so a command imports no package it does not use: `gpu` runs on a machine without
+# the cleaning benchmark's ftfy and datatrove. --help, or no command, imports them all to list them.
+COMMANDS = {
+    "data": "data",
+    "prep-once": "data",
+    "cleaning": "cleaning",
+    "export": "export",
+    "estimator": "estimator",
+    "estimator-public": "estimator_public",
+    "mfu": "speed",
+    "train": "speed",
+    "profile": "speed_profile",
+    "sft": "sft",
+    "settings": "settings",
+    "gpu": "gpu",
+    "lora": "lora",
+    "parallel": "parallel",
+    "pipeline": "pipeline",
+    "moe": "moe",
+    "longctx": "longctx",
+}
+
+
+def modules_for(argv: list[str]) -> list[str]:
+    """The bench modules to import for this command line: the command's own, or all of them."""
+    chosen = COMMANDS.get(argv[0]) if argv else None
+    return [chosen] if chosen else list(dict.fromkeys(COMMANDS.values()))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    order = (
-        data,
-        cleaning,
-        export,
-        estimator,
-        estimator_public,
-        speed,
-        speed_profile,
-        sft,
-        settings,
-        gpu,
-        lora,
-        parallel,
-        pipeline,
-        moe,
-        longctx,
-    )
-    for module in order:
-        module.add_parsers(sub)
+    for name in modules_for(argv):
+        importlib.import_module(f"bench.{name}").add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -43,13 +43,22 @@ from collections import Counter, defaultdict
 from functools import lru_cache
 from pathlib import Path
 
-import ftfy
-import ftfy.bad_codecs  # noqa: F401  registers sloppy-windows-1252, which maps every byte (cp1252 leaves 5 out)
-
 try:
     from . import cleaning_zh_vocab as zh
 except ImportError:  # run as a script: tools/bench is on sys.path, not tools/
     import cleaning_zh_vocab as zh
+
+
+@lru_cache(maxsize=None)
+def _ftfy():
+    """ftfy, imported when a corpus is built or checked, not with this module: `benchmark.py --help` and the
+    other benchmarks run where it is not installed (the GPU machine). Its bad_codecs registers
+    sloppy-windows-1252, which maps every byte (cp1252 leaves 5 out)."""
+    import ftfy
+    import ftfy.bad_codecs  # noqa: F401
+
+    return ftfy
+
 
 NEAR = ("edit", "boilerplate", "reorder", "date")
 GARBLED = ("replacement", "control", "private_use", "binary", "mojibake_unfixable", "symbols")
@@ -506,6 +515,7 @@ def _garble(variant: str, text: str, lang: str, rng: random.Random) -> str:
 
 def _mojibake(text: str, rng: random.Random) -> str | None:
     """Classic mojibake that ftfy undoes exactly (UTF-8 read as Windows-1252 or Latin-1, once or twice)."""
+    ftfy = _ftfy()
     for how in rng.sample(("sloppy-windows-1252", "latin-1", "twice"), 3):
         once = text.encode().decode("sloppy-windows-1252" if how == "twice" else how)
         bad = once.encode().decode("sloppy-windows-1252") if how == "twice" else once
@@ -586,8 +596,8 @@ def _derived(kind: str, variant: str, lang: str, fresh, rng: random.Random) -> d
         if variant in SHARE_AT_LEAST and label_share(variant, text) < SHARE_AT_LEAST[variant]:
             continue
         if variant == "mojibake_unfixable":
-            fixed = ftfy.fix_text(text)
-            if original in (fixed, ftfy.fix_encoding(text)) or garble_score(fixed, lang) < 0.3:
+            fixed = _ftfy().fix_text(text)
+            if original in (fixed, _ftfy().fix_encoding(text)) or garble_score(fixed, lang) < 0.3:
                 continue
         doc = {"text": text, "lang": lang, "kind": kind, "variant": variant, "source": -1}
         return doc | {"original": original}  # what it was before garbling: scores a repair as a repair
@@ -597,6 +607,7 @@ def _derived(kind: str, variant: str, lang: str, fresh, rng: random.Random) -> d
 def build(n_docs: int, seed: int = 0, originals: bool = False) -> list[dict]:
     """n_docs labelled documents, each {"text", "lang": "en"|"zh", "kind", "variant", "source"}; see the module
     docstring. originals=True adds "original" (the text before garbling) to garbled and mojibake documents."""
+    _ftfy()  # its codecs, before any document is garbled
     rng, zhg = random.Random(seed), _chinese()
     english = _EnglishDocs(rng)
     fresh = lambda lang: _english(english, rng) if lang == "en" else zhg.doc(rng)  # noqa: E731
@@ -677,7 +688,7 @@ def check(docs: list[dict], pairs: int = 300, seed: int = 0) -> dict:
     """Verify the labels and measure the corpus: sources, clean-pair and near-duplicate 5-gram Jaccard, ftfy on
     the mojibake (exactly, against "original" where build(originals=True) kept it), garble scores, sizes."""
     rng, problems, stats = random.Random(seed), _structure(docs), {"n": len(docs)}
-    cache = {}
+    ftfy, cache = _ftfy(), {}
     sh = lambda i: cache[i] if i in cache else cache.setdefault(i, _shingles(docs[i]["text"]))  # noqa: E731
     by = defaultdict(list)
     for i, d in enumerate(docs):

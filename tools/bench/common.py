@@ -21,11 +21,10 @@ def quiet(*_a, **_k):
 
 
 def environment() -> dict:
-    import datasets
-    import deepspeed
-    import tokenizers
+    """The versions and the machine for a report's footer. Versions are read from the installed packages'
+    metadata, not by importing them: the GPU benchmark's parent process imports no DeepSpeed, datasets or TRL
+    (its children do), and a package that is not installed is left out instead of failing the report."""
     import torch
-    import transformers
 
     cpu = cpu_name()
     mem = next(
@@ -36,11 +35,7 @@ def environment() -> dict:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__,
-            "datasets": datasets.__version__,
-            "tokenizers": tokenizers.__version__,
-            **optional_versions("peft", "trl"),
+            **optional_versions("deepspeed", "transformers", "datasets", "tokenizers", "peft", "trl"),
         },
         "machine": {
             "cpu": cpu,
@@ -53,7 +48,7 @@ def environment() -> dict:
 
 
 def optional_versions(*names: str) -> dict:
-    """Versions of the packages a benchmark may use beyond the core (the SFT benchmark's TRL), when installed."""
+    """Versions of the installed packages among `names`, from their metadata (nothing imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
@@ -119,15 +114,19 @@ def new_report(**fields) -> dict:
     }
 
 
-def write_report(out_dir: str, name: str, result: dict, markdown: str) -> Path:
-    """out_dir/name.json and out_dir/name.md; returns the .md path."""
+def write_report(out_dir: str, name: str, result: dict, markdown: str, say: bool = True) -> Path:
+    """out_dir/name.json and out_dir/name.md, each written whole under a temporary name and renamed in (a report
+    rewritten as a run goes is never seen half-written, even by a kill); returns the .md path."""
     import json
+
+    from zero_recipes.atomic import write_text
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown)
-    print(f"wrote {out / name}.md and .json")
+    write_text(out / f"{name}.json", json.dumps(result, indent=2) + "\n")
+    write_text(out / f"{name}.md", markdown)
+    if say:
+        print(f"wrote {out / name}.md and .json")
     return out / f"{name}.md"
 
 
