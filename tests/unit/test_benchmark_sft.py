@@ -1,14 +1,16 @@
 """The SFT benchmark's data and token arithmetic (tools/bench/sft_data.py), on the batches the three
 runners really feed their models: train.py's packed collate, TRL's padding-free collator and the HF Trainer's
-DataCollatorForSeq2Seq; and its summary of measured rounds (tools/bench/sft.py)."""
+DataCollatorForSeq2Seq; its summary of measured rounds (tools/bench/sft.py); and its probe (sft_probe.py) on the
+model's device, waiting for it before each stamp."""
 
 import statistics
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from bench import paired, sft, sft_data
+from bench import paired, sft, sft_data, sft_probe
 from zero_recipes.data import packing
 
 PAD = 0
@@ -160,3 +162,57 @@ def test_batch_tokens_reads_shift_labels_as_given():
     ids = torch.tensor([[1, 2, 3, 4]])
     shift = torch.tensor([[2, -100, 4, -100]])
     assert sft_data.batch_tokens({"input_ids": ids, "shift_labels": shift}, PAD) == (4, 2, 4)
+
+
+# ---- on the device the model is on: a GPU's batches and weights are on the GPU --------------------------------
+# Without a GPU, the 'meta' device stands in for one: an op that mixes a CPU tensor with a meta one fails as it
+# would with a CUDA one ("Tensor on device cpu is not on the expected device meta").
+
+
+class _Bigram(torch.nn.Module):
+    """A language model small enough to build anywhere: each token's logits are a row of one table."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        self.fed = input_ids.device  # an embedding on 'meta' takes CPU ids without a word: what came is kept
+        return SimpleNamespace(logits=self.table(input_ids))
+
+
+def test_packed_rows_padding_is_counted_where_the_batch_is():
+    a = (np.array([1, 2, 3]), None)
+    batch = packing.collate([[a], [a, a]], PAD, length=8)
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    assert int(sft_data.tail_padding(ids, pos, PAD)) == 16 - 9  # row 1: 5 pad, row 2: 2
+    assert sft_data.tail_padding(ids.to("meta"), pos.to("meta"), PAD).device.type == "meta"
+
+
+def test_the_held_out_loss_feeds_the_model_on_its_device():
+    tok = _tokenizer()
+    rows = sft_data.skewed_chats(3, ["alpha", "beta", "gamma"], tokens_per_word=1.0, seed=0)
+    targets = sum(sum(x != -100 for x in sft_data.masked_example(r["messages"], tok, 4096)["labels"][1:]) for r in rows)
+    with torch.device("meta"):
+        model = _Bigram(len(tok)).train()
+    total, count = sft_probe.held_out_sums(model, [r["messages"] for r in rows], tok, max_length=4096)
+    assert model.fed.type == total.device.type == "meta" and count == targets > 0 and model.training
+    cpu_total, cpu_count = sft_probe.held_out_sums(_Bigram(len(tok)), [r["messages"] for r in rows], tok, 4096)
+    assert cpu_count == targets and 0 < float(cpu_total) / cpu_count < 2 * np.log(len(tok)) + 10
+
+
+def test_the_step_probe_waits_for_the_device_before_each_stamp():
+    waits = []
+    probe = sft_probe.StepProbe(wait=lambda device: waits.append((device, time.perf_counter())))
+    model = _Bigram(16).train()
+    probe.attach(model, PAD)
+    ids = torch.tensor([[1, 2, 3]])
+    for _ in range(3):
+        model(input_ids=ids)
+    with torch.no_grad():
+        model(input_ids=ids)  # an eval forward: neither waited for nor stamped
+    assert [d.type for d, _ in waits] == ["cpu"] * 3 and len(probe.starts) == 3
+    assert all(start >= waited for (_, waited), start in zip(waits, probe.starts))  # the clock read after the wait
+    sft_probe.wait_for(torch.device("cpu"))  # the CPU runs as it goes: nothing to wait for

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def flags(runner: str, s: dict, work: dict) -> list[str]:
         "0",
         "--validation_split_percentage",
         "0",
+        "--report_to",  # as the peers (report_to=[]): no TensorBoard events, nor its package (the GPU machine's)
+        "none",
     ]
     if runner == "train.py, text":  # the embedded pretraining corpus, about as many steps as the SFT epoch
         return out + ["--max_steps", str(s["text_steps"])]
@@ -123,8 +126,11 @@ def runner_env(cache: Path) -> dict:
 
 
 def command(runner: str, s: dict, work: dict, out: Path, ranks: int = 2) -> list[str]:
-    """The launch of one runner, its probe writing under `out`."""
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), *RUNNERS[runner]]
+    """The launch of one runner, its probe writing under `out`. The `deepspeed` launcher is run as a module of
+    this interpreter, so no `deepspeed` script need be on PATH (the GPU kit's wheels are installed with --target,
+    their scripts in a bin/ of their own)."""
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    cmd = [*launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), *RUNNERS[runner]]
     cmd += flags(runner, s, work) + ["--probe_out", str(out / "probe")]
     if RUNNERS[runner][1] == "bench.sft_train_run":
         cmd += ["--output_dir", str(out / "run")]

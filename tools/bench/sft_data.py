@@ -97,13 +97,18 @@ def batch_tokens(kwargs: dict, pad_id: int) -> tuple[int, int, int]:
     pos = kwargs.get("position_ids")
     if pos is None:
         return computed, trained, computed
+    return computed, trained, computed - int(tail_padding(ids, pos, pad_id))
+
+
+def tail_padding(ids, pos, pad_id: int):
+    """Padding positions of packed or padding-free rows (a 0-d tensor): each row's last segment when all of its
+    tokens are the pad id. Computed where the batch is (a GPU's inputs are on the GPU), read once by the caller."""
     import torch
 
-    at = torch.arange(ids.shape[1]).expand_as(pos)
+    at = torch.arange(ids.shape[1], device=pos.device).expand_as(pos)
     start = torch.where(pos == 0, at, torch.zeros_like(at)).max(dim=1).values  # each row's last segment
     all_pad = ((ids == pad_id) | (at < start[:, None])).all(dim=1) & (start > 0)
-    padding = int(((ids.shape[1] - start) * all_pad).sum())
-    return computed, trained, computed - padding
+    return ((ids.shape[1] - start) * all_pad).sum()
 
 
 def padding_share(computed: int, real: int) -> float:

@@ -2,10 +2,13 @@
 
 A forward pre-hook on the model (the module DeepSpeed wraps) stamps every training micro-batch with its start
 time and its tokens (sft_data.batch_tokens); eval forwards (no grad) are not recorded. A step ends when the
-next begins, so windows of steps are timed at the same point in every runner, whatever loop drives it. At the
-end rank 0 scores the trained model on the same held-out conversations (one per forward, no padding, loss
-summed over the assistant's tokens), and every rank writes <probe_out>.rank<N>.json with its records, its time
-to first step (process start to the second training forward, i.e. the first step done) and its peak RSS.
+next begins, so windows of steps are timed at the same point in every runner, whatever loop drives it. On a
+GPU the hook first waits for the device (`wait_for`): kernels run after their launch returns, so without it a
+stamp would time the host's launches, ahead of the work by however much was queued. At the end rank 0 scores
+the trained model on the same held-out conversations (one per forward, no padding, loss summed over the
+assistant's tokens, on the model's device), and every rank writes <probe_out>.rank<N>.json with its records,
+its time to first step (process start to the second training forward, i.e. the first step done) and its peak
+RSS.
 """
 
 from __future__ import annotations
@@ -18,8 +21,23 @@ from pathlib import Path
 from .sft_data import batch_tokens, masked_example
 
 
+def wait_for(device) -> None:
+    """Block until the device has run what was queued on it (CUDA); nothing on the CPU, which runs as it goes."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_device(model):
+    """Where the model's weights are, so its inputs go there (under ZeRO-3 a parameter is an empty placeholder
+    on the same device)."""
+    return next(model.parameters()).device
+
+
 class StepProbe:
-    def __init__(self):
+    def __init__(self, wait=wait_for):
+        self.wait = wait  # the device's sync, before every stamp
         self.pad_id = 0
         self.starts: list[float] = []
         self.tokens: list[tuple[int, int, int]] = []  # (computed, trained, real) per micro-batch
@@ -35,6 +53,7 @@ class StepProbe:
 
         if not (module.training and torch.is_grad_enabled()):
             return
+        self.wait(kwargs["input_ids"].device)  # the previous step's kernels done: then read the clock
         if len(self.starts) == 1:
             self.first_step_seconds = time.time() - psutil.Process().create_time()
         self.starts.append(time.perf_counter())
@@ -55,22 +74,28 @@ class StepProbe:
 
 def held_out_loss(model, eval_file: str, tok, max_length: int) -> dict:
     """Mean loss per assistant token over the conversations in eval_file, each alone in its forward."""
+    rows = [json.loads(line)["messages"] for line in Path(eval_file).read_text().splitlines()]
+    total, count = held_out_sums(model, rows, tok, max_length)
+    return {"eval_loss": float(total) / count, "eval_tokens": count}
+
+
+def held_out_sums(model, rows: list, tok, max_length: int):
+    """The summed loss over the assistant's tokens of each conversation in `rows` (a tensor on the model's
+    device: read once by the caller, not once a conversation), and the number of those tokens."""
     import torch
 
-    was_training = model.training
+    was_training, device = model.training, model_device(model)
     model.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0  # as the float sum it replaced
     with torch.no_grad():
-        for line in Path(eval_file).read_text().splitlines():
-            ex = masked_example(json.loads(line)["messages"], tok, max_length)
-            ids = torch.tensor([ex["input_ids"]])
-            labels = torch.tensor([ex["labels"]])
+        for messages in rows:
+            ex = masked_example(messages, tok, max_length)
+            ids = torch.tensor([ex["input_ids"]], device=device)
+            targets = torch.tensor([ex["labels"][1:]], device=device)
             logits = model(input_ids=ids, use_cache=False).logits.float()
-            targets = labels[:, 1:]
-            nll = torch.nn.functional.cross_entropy(
+            total += torch.nn.functional.cross_entropy(
                 logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
             )
-            total += float(nll)
-            count += int((targets != -100).sum())
+            count += sum(label != -100 for label in ex["labels"][1:])
     model.train(was_training)
-    return {"eval_loss": total / count, "eval_tokens": count}
+    return total, count
