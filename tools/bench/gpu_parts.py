@@ -1,9 +1,10 @@
 """The GPU benchmark's parts (tools/bench/gpu.py runs them in order): each measures one thing on one device and
 returns its figures, or raises; gpu.py records a failure and goes on.
 
-Every training run is train.py itself, one rank under torchrun. On a GPU its metrics.jsonl gives tokens/s, MFU
-and `mem_peak_gb` (torch.cuda.max_memory_allocated); on the CPU (--quick) the same launch runs under
-tools/bench/profiled_train.py, whose allocator events give the peak (the CPU logs no device memory). The
+Every training run is train.py's own main(), one rank under torchrun, without its checkpoints (nothing here reads
+one): tools/bench/unsaved_train.py on a GPU, whose metrics.jsonl gives tokens/s, MFU and `mem_peak_gb`
+(torch.cuda.max_memory_allocated); on the CPU (--quick) tools/bench/profiled_train.py with --no_checkpoints, whose
+allocator events give the peak (the CPU logs no device memory). The export is train.py's as always. The
 estimate is tools/estimate_memory.py's for the same flags (zero_recipes.memory.for_run, as train.py logs it on
 a GPU: GPU accounting there, the CPU accelerator's one pool under --quick).
 """
@@ -91,7 +92,7 @@ def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
     probe = out.with_name(out.name + "-probe")
     gpu = cuda()
-    cmd += ["train.py"] if gpu else ["--module", "bench.profiled_train"]
+    cmd += ["--module", "bench.unsaved_train"] if gpu else ["--module", "bench.profiled_train", "--no_checkpoints"]
     cmd += argv + ["--output_dir", str(out)] + ([] if gpu else ["--probe_out", str(probe)])
     log = run_checked(cmd, None, timeout, f"{name}: {' '.join(cmd)}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -116,13 +117,12 @@ def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1
 
 def dense(s: dict, config: str, tmp: Path, timeout: int) -> dict:
     """The 1B Llama (the embedded tiny one under --quick) under one ZeRO stage. ZeRO-2's export is kept as the
-    LoRA part's base (its checkpoints removed)."""
+    LoRA part's base (the LoRA part removes it)."""
     out = tmp / config
     argv = train_flags(s, CONFIGS[config], s["dense"], s["block"], s["micro"])
     try:
         return {"deepspeed": list(CONFIGS[config]), **train_run(config, argv, out, timeout)}
     finally:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
         if config != "zero2":
             shutil.rmtree(out, ignore_errors=True)
 
@@ -138,6 +138,7 @@ def lora(s: dict, tmp: Path, timeout: int) -> dict:
         return {"base": "the ZeRO-2 part's export", **train_run("lora", argv, tmp / "lora", timeout)}
     finally:
         shutil.rmtree(tmp / "lora", ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)  # 2.5 GB of bf16 on the device's disk: nothing else reads it
 
 
 def mixture(s: dict, tmp: Path, timeout: int) -> dict:

@@ -7,7 +7,7 @@ import json
 from . import paired
 from .common import footer
 
-TRAIN_PARTS = ("ZeRO-2", "ZeRO-3", "LoRA", "MoE")
+TRAIN_PARTS = ("ZeRO-2", "LoRA", "MoE", "ZeRO-3")  # in the order they run
 
 
 def size(b: float | None) -> str:
@@ -111,14 +111,31 @@ def error_line(error: str) -> str:
     return " … ".join(f"`{x}`" for x in dict.fromkeys([lines[0], lines[-1]]))
 
 
+def partial(pending: list | None) -> list[str]:
+    """The line a report written mid-run carries: it is rewritten as each part ends, and a run killed at the
+    device's command limit leaves this one."""
+    if not pending:
+        return []
+    return [
+        f"**Partial**: written as each part ends; not finished (still running, or killed): {', '.join(pending)}.",
+        "",
+    ]
+
+
 def markdown(r: dict) -> str:
     s, parts, plan = r["settings"], r["parts"], r["plan"]
+    planned = (plan["total_seconds"] + plan.get("overhead_seconds", 0)) / 60
     lines = [
         f"# GPU benchmark{' (--quick, CPU)' if s['quick'] else ''}, {r['date']}",
         "",
-        f"Command: `{r['command']}`. Planned about {plan['total_seconds'] / 60:.1f} min, took "
-        f"{r['wall_seconds'] / 60:.1f} min.",
+        f"Command: `{r['command']}`. Planned about {planned:.1f} min, "
+        + (
+            f"{r['wall_seconds'] / 60:.1f} min so far."
+            if r.get("pending")
+            else f"took {r['wall_seconds'] / 60:.1f} min."
+        ),
         "",
+        *partial(r.get("pending")),
         "## Training runs: train.py on one rank",
         "",
         *training_table(parts, s),

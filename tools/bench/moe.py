@@ -38,8 +38,10 @@ TINY = {**MIXTRAL, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layer
 SIZES = {
     "cpu": dict(model=MIXTRAL, block=256, micro=2, steps=8, skip=2, rounds=2, profiled_steps=3),
     "quick": dict(model=TINY, block=64, micro=4, steps=3, skip=1, rounds=0, profiled_steps=3),
+    # block 2048 needs positions for it: MIXTRAL's 1024 would be refused at plan time (block_size exceeds them)
     "gpu": dict(model={**MIXTRAL, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16}
-                | {"num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000},
+                | {"num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000}
+                | {"max_position_embeddings": 4096},
                 block=2048, micro=4, steps=40, skip=10, rounds=2, profiled_steps=0),
 }  # fmt: skip
 

@@ -8,7 +8,8 @@ moment are their running sum (the method of zero_recipes/memory/probe.py): exact
 (DeepSpeed's flat buffers and optimizer states, gloo's staging tensors, torch.save's copies), blind to
 non-torch memory (the Python heap, libraries). Two calls are marked with record_function, so the peak is also
 split by phase: each optimizer step (the runner's train_step) and each checkpoint save (Checkpointer.save), which is
-timed here too. Each rank writes <probe_out>.rank<N>.json.
+timed here too. Each rank writes <probe_out>.rank<N>.json. With `--no_checkpoints` the run saves none
+(bench/unsaved_train.py's checkpointer: the GPU benchmark's --quick, whose GPU runs save none either).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from zero_recipes.memory.probe import allocator_events, count_every_thread
 
 from .common import REPO
+from .unsaved_train import NoCheckpoints
 from .workload import pop_flag
 
 PHASES = ("train_step", "save")
@@ -78,13 +80,14 @@ class TimedCheckpointer:
         return path
 
 
-def instrument(save_seconds: list):
+def instrument(save_seconds: list, checkpoints: bool = True):
     """train.py's `instrument` hook: the loop it assembled, with its runner and checkpointer wrapped (the real
-    ones are called unchanged)."""
+    ones are called unchanged; without `checkpoints`, the one that saves nothing)."""
 
     def wrap(run):
+        saver = run.checkpointer if checkpoints else NoCheckpoints()
         return dataclasses.replace(
-            run, runner=MarkedRunner(run.runner), checkpointer=TimedCheckpointer(run.checkpointer, save_seconds)
+            run, runner=MarkedRunner(run.runner), checkpointer=TimedCheckpointer(saver, save_seconds)
         )
 
     return wrap
@@ -92,6 +95,8 @@ def instrument(save_seconds: list):
 
 def main(argv: list[str]) -> int:
     argv, out = pop_flag(argv, "--probe_out")
+    checkpoints = "--no_checkpoints" not in argv
+    argv = [a for a in argv if a != "--no_checkpoints"]
     count_every_thread()  # gloo's threads' frees counted (probe.allocator_events)
     train = runpy.run_path(str(REPO / "train.py"), run_name="profiled_train")  # its imports and main()
     import torch
@@ -101,7 +106,7 @@ def main(argv: list[str]) -> int:
 
     save_seconds: list[float] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        code = train["main"](argv, instrument=instrument(save_seconds))
+        code = train["main"](argv, instrument=instrument(save_seconds, checkpoints))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     result = {
         "rank": rank,

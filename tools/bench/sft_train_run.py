@@ -1,10 +1,12 @@
-"""train.py under the SFT benchmark's probe: its own main() with its flags, nothing changed.
+"""train.py under the SFT benchmark's probe: its own main() with its flags, only its checkpoint left out.
 
     PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_train_run <train.py flags> --probe_out P --eval_file E
 
 train.py's `instrument` hook hands the probe the assembled loop before it runs: the model (hooked by
-tools/bench/sft_probe.py), the pad id and the block size; nothing of the run changes. The tokenizer (with its
-chat template) for the held-out loss is loaded afterwards, from the cache train.py built.
+tools/bench/sft_probe.py), the pad id and the block size; nothing of the run changes but its checkpoint, which
+is not saved (bench/unsaved_train.py: nothing reads it, and the GPU benchmark's lease has no time for it; TRL
+saves none either). The tokenizer (with its chat template) for the held-out loss is loaded afterwards, from the
+cache train.py built.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 from .common import REPO
 from .sft_probe import StepProbe
+from .unsaved_train import without_checkpoints
 from .workload import pop_flag
 
 
@@ -32,7 +35,7 @@ def main(argv: list[str]) -> int:
         model = run.engine.module  # the model train.py built, as DeepSpeed holds it
         probe.attach(model, run.prepared.pad_id)
         seen.update(model=model, cfg=run.plan.cfg)
-        return run
+        return without_checkpoints(run)
 
     code = train["main"](argv, instrument=attach)
     rank = torch.distributed.get_rank()
