@@ -15,6 +15,9 @@ memory (the Python heap, libraries, a checkpoint's memory-mapped file). On the C
 memory are one pool, so the figure is device plus host; tools/bench/estimator.py compares it with the estimate's
 per-GPU plus per-rank host bytes.
 
+It refuses a GPU in one line (`refuse_accelerator`): what it reads is the CPU allocator, and counting CUDA
+allocations instead would be a second probe no CPU can check; on a GPU, train.py logs the device's peak itself.
+
 Phases are marked with record_function: init (model and engine), forward_backward, optimizer_step. Under
 pipeline parallelism (`"pipeline": {"stages": N}`) each rank runs its stage as train.py does (DeepSpeed's
 train_batch) and every instruction of the schedule is marked with its phase (`pipeline_steps`).
@@ -29,10 +32,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from zero_recipes import distributed, lm_loss, lora, model as modeling
 from zero_recipes.engine import make_engine
+from zero_recipes.errors import ConfigError
 from zero_recipes.plan import RunPlan
 
 PHASES = ("init", "forward_backward", "optimizer_step")
@@ -168,7 +173,22 @@ def _to_deepspeed(param) -> None:
         param.grad = None
 
 
+def refuse_accelerator(device: str) -> None:
+    """The probe measures the CPU allocator (its profiler events), on CPU batches: on a GPU it would feed those
+    to a CUDA engine and count none of the device's memory. A GPU run's peak is train.py's own `mem_peak_gb`
+    (torch.cuda.max_memory_allocated), which `benchmark.py gpu` holds against the estimate."""
+    if device != "cpu":
+        raise ConfigError(
+            f"the memory probe measures the CPU accelerator's memory, and DeepSpeed's accelerator here is {device}: "
+            "run it with DS_ACCELERATOR=cpu, or read a GPU run's peak from train.py's metrics.jsonl (mem_peak_gb; "
+            "python tools/benchmark.py gpu compares it with the estimate)"
+        )
+
+
 def main(argv: list[str]) -> int:
+    from deepspeed.accelerator import get_accelerator
+
+    refuse_accelerator(get_accelerator().device_name())  # before any process group or model
     # transformers 5 reads a checkpoint's tensors in a thread pool, and the profiler misses the allocations of
     # those threads (measured: an fp32 load of a bf16 checkpoint showed the bf16 reads, never the fp32 weights).
     # Loading on the main thread ends with the same tensors, and every allocation is seen.
@@ -319,4 +339,11 @@ def random_batches(plan, rank: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:  # as train.py: one line naming the problem and the fix, no traceback; rank 0 says it
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3)  # the launcher kills every rank when one exits: rank 0's line first
+        sys.exit(2)
