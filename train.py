@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import warnings
 
 # torch._dynamo and transformers' model code must be imported before any zero.Init (measured: importing
@@ -312,14 +311,7 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except ConfigError as e:
-        # Bad input: one line that names the problem and the fix, no traceback. Every rank meets the same
-        # error; rank 0 speaks for all. The others linger a moment before exiting, because the launchers
-        # kill all ranks as soon as one exits non-zero, and that could silence rank 0 mid-print (seen).
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(3)
-        code = 2
+        code = distributed.report_refusal(e)
     except KeyboardInterrupt:
         code = 130
     except BaseException as e:

@@ -156,6 +156,19 @@ def rank0_first(rank: int, fn):
     return result
 
 
+def report_refusal(error: ConfigError) -> int:
+    """Bad input: one line that names the problem and the fix, no traceback; the exit code. Every rank meets the
+    same error and rank 0 speaks for all. The others linger a moment before exiting, because the launchers kill
+    all ranks as soon as one exits non-zero, and that could silence rank 0 mid-print (seen)."""
+    import time
+
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    return 2
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed logs every bucket and timer at INFO; keep its warnings, drop the chatter
     (ZERO_RECIPES_DEBUG=1 brings it back)."""

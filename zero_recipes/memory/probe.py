@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from zero_recipes import distributed, lm_loss, lora, model as modeling
@@ -341,9 +340,5 @@ def random_batches(plan, rank: int) -> list[dict]:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:  # as train.py: one line naming the problem and the fix, no traceback; rank 0 says it
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(3)  # the launcher kills every rank when one exits: rank 0's line first
-        sys.exit(2)
+    except ConfigError as e:  # as train.py
+        sys.exit(distributed.report_refusal(e))
