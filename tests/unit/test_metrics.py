@@ -11,8 +11,9 @@ from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 from zero_recipes import metrics
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_flops_per_token_matches_flop_counter(kv_heads):
+def counted_llama(kv_heads: int) -> LlamaConfig:
+    """A small Llama whose FLOPs torch's FlopCounterMode can count: eager attention (the CPU's sdpa kernels are
+    not in its table)."""
     config = LlamaConfig(
         vocab_size=512,
         hidden_size=64,
@@ -22,13 +23,23 @@ def test_flops_per_token_matches_flop_counter(kv_heads):
         num_key_value_heads=kv_heads,
         max_position_embeddings=256,
     )
-    config._attn_implementation = "eager"  # CPU sdpa kernels are not in FlopCounterMode's table
-    model = LlamaForCausalLM(config)
-    batch, seq = 2, 128
-    x = torch.randint(0, 512, (batch, seq))
+    config._attn_implementation = "eager"
+    return config
+
+
+def counted_flops_per_token(model, batch: int = 2, seq: int = 128) -> float:
+    """FlopCounterMode's count of one forward and backward, per token."""
+    x = torch.randint(0, model.config.vocab_size, (batch, seq))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=x, labels=x).loss.backward()
-    measured = counter.get_total_flops() / (batch * seq)
+    return counter.get_total_flops() / x.numel()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_flops_per_token_matches_flop_counter(kv_heads):
+    config = counted_llama(kv_heads)
+    seq = 128
+    measured = counted_flops_per_token(LlamaForCausalLM(config), seq=seq)
     predicted = metrics.model_flops_per_token(config, seq)
     # FlopCounterMode counts matmuls (attention's bmm included), as model FLOPs do; norms, softmax and
     # the loss are the small remainder.
@@ -73,21 +84,9 @@ def test_lora_flops_count_four_per_frozen_weight():
     # a frozen weight gets no weight gradient: forward and input gradient, 4 FLOPs a token, where 6N is 15 % over
     from peft import LoraConfig, get_peft_model
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    config._attn_implementation = "eager"
+    config = counted_llama(kv_heads=2)
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules="all-linear"))
-    x = torch.randint(0, 512, (2, 128))
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=x, labels=x).loss.backward()
-    measured = counter.get_total_flops() / x.numel()
+    measured = counted_flops_per_token(model, seq=128)
     trainable = metrics.trainable_matmul_params(model)
     assert trainable == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     # the first layer's input needs no gradient, so it does a little less than 4N: under 2 % here
