@@ -48,13 +48,11 @@ def peak_flops_from_table(device_name: str, dtype: str) -> Optional[float]:
 
 
 def fp32_matmul_kind() -> str:
-    """ "tf32" when fp32 matmuls run on the tensor cores (--tf32 true, or the user's own setting), else "fp32"."""
+    """ "tf32" when fp32 matmuls run on the tensor cores (--tf32 true, or the user's own setting), else "fp32"
+    (torch >= 2.9's setting, as train.py's --tf32 writes it; the GPU image has 2.11)."""
     import torch
 
-    try:
-        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
-    except AttributeError:  # torch < 2.9
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
 
 
 def trainable_matmul_params(module) -> Optional[int]:
