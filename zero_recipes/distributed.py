@@ -86,10 +86,10 @@ LONG_WAIT = timedelta(hours=24)
 _host_group = None
 
 
-def init(timeout_seconds: int = 1800) -> None:
+def init(timeout_seconds: int = 1800, long_waits: bool = True) -> None:
     """Start the process group with DeepSpeed (NCCL on GPUs, gloo/shm on CPUs), every collective bound by
-    `timeout_seconds` (--ddp_timeout), and the host group for the long waits. A plain `python train.py`
-    becomes a world of one."""
+    `timeout_seconds` (--ddp_timeout), and (`long_waits`) the host group for waits on one rank's work. A plain
+    `python train.py` becomes a world of one."""
     global _host_group
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -109,7 +109,7 @@ def init(timeout_seconds: int = 1800) -> None:
         if line := address_in_use(e):
             raise ConfigError(line) from None
         raise
-    _host_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
+    _host_group = dist.new_group(backend="gloo", timeout=LONG_WAIT) if long_waits else None
 
 
 def host_group():

@@ -202,7 +202,10 @@ def main(argv: list[str]) -> int:
     cfg, ds, model_config = plan.cfg, plan.ds, plan.model_config
     rank, _local_rank, world, local_world = distributed.rank_info()
     distributed.set_threads(local_world)
-    distributed.init()
+    # No host group: the probe waits on no one rank's work, and the group's Python objects move the moment the
+    # garbage collector frees DeepSpeed's flat gradient copy (measured: a ZeRO-0 pipeline stage's step peaked 22 MB
+    # over the estimate's band in 2 of 8 launches with it, 0 of 15 without)
+    distributed.init(long_waits=False)
     distributed.quiet_deepspeed()
     from transformers.integrations import HfDeepSpeedConfig
 
