@@ -29,30 +29,19 @@ import warnings
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import (
-    checkpoint,
-    data,
-    distributed,
-    ds_checks,
-    jit_ops,
-    lm_loss,
-    loop,
-    memory,
-    metrics,
-    model as modeling,
-    moe,
-    packed_attention,
-    resume as resuming,
-    run_dir,
-    storage,
-)
-from zero_recipes.cli import help_text
-from zero_recipes.engine import make_engine
+from zero_recipes import data, memory
+from zero_recipes.checkpointing import checkpoint, resume as resuming, run_dir, storage
+from zero_recipes.checkpointing.export import partitioned, verify_export
+from zero_recipes.config.cli import help_text
+from zero_recipes.config.plan import RunPlan
+from zero_recipes.distributed import process as distributed
+from zero_recipes.ds import checks as ds_checks, jit_ops
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import in_training
-from zero_recipes.export import partitioned, verify_export
-from zero_recipes.mesh import picture as mesh_picture
-from zero_recipes.plan import RunPlan
+from zero_recipes.modeling import lm_loss, model as modeling, moe, packed_attention
+from zero_recipes.parallel.mesh import picture as mesh_picture
+from zero_recipes.training import loop, metrics
+from zero_recipes.training.engine import make_engine
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

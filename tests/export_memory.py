@@ -1,6 +1,6 @@
 """What each rank allocates while the export gathers the trained weights, in a real run: train.py's ranks forked
 as tests/forked_launch.py forks them (the same agent, environment and `__main__`), with the one function every
-HF export goes through, zero_recipes.export.full_state_dict, run under torch.profiler's allocator events
+HF export goes through, zero_recipes.checkpointing.export.full_state_dict, run under torch.profiler's allocator events
 (zero_recipes.memory.probe.allocator_events, every thread's frees counted). Nothing else in the run changes,
 so the training tests' own runs are measured as they run (`launch`), and `read` gives each rank's:
 
@@ -44,7 +44,7 @@ def _prefix(output_dir: Path) -> Path:
 
 def rank_main(argv: list[str], env: dict, stdout: str, stderr: str) -> int:
     """forked_launch.rank_main, with the export's gather measured."""
-    from zero_recipes import export
+    from zero_recipes.checkpointing import export
     from zero_recipes.memory.probe import count_every_thread
 
     count_every_thread()  # before the model exists: gloo's worker threads free what they received
@@ -56,7 +56,7 @@ def _measured(gather, out: str):
     def run(module, rank: int):
         from torch.profiler import ProfilerActivity, profile
 
-        from zero_recipes.export import state_bytes
+        from zero_recipes.checkpointing.export import state_bytes
         from zero_recipes.memory.probe import allocator_events
 
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import forked_launch
-from zero_recipes import distributed, shipped
+from zero_recipes.config import shipped
+from zero_recipes.distributed import process as distributed
 from zero_recipes.memory.probe import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,8 +282,8 @@ def refusal(*args: str, world: int = 1) -> str:
     """The one line train.py prints for ARGS as rank 0 of `world` ranks, found in this process. It must come
     before any process group: reaching distributed.init fails the test rather than waiting for absent ranks."""
     import train
-    from zero_recipes import distributed as dist
-    from zero_recipes.config import ConfigError
+    from zero_recipes.config.train_config import ConfigError
+    from zero_recipes.distributed import process as dist
 
     args = tuple(away_from_outputs(args))
 

@@ -4,7 +4,7 @@
 
 The first run of train.py builds what it needs on its own, saying so; this does it ahead of time, for CI or a
 cluster image, so no rank spends minutes compiling at launch. It builds every op a train.py run may load here
-(zero_recipes/jit_ops.py says which config loads which). On a CPU: shm comm (~28 s on 2 cores), CPU Adam (~43 s),
+(zero_recipes/ds/jit_ops.py says which config loads which). On a CPU: shm comm (~28 s on 2 cores), CPU Adam (~43 s),
 fused Adam for DeepSpeed configs with an `optimizer` block (~97 s) and, when libaio's headers are installed,
 pinned memory and async I/O for NVMe offload (~3 min). On a GPU the same builders compile the CUDA ops instead.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
-from zero_recipes import jit_ops
+from zero_recipes.ds import jit_ops
 from zero_recipes.errors import ConfigError
 
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")

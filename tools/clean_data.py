@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_recipes.cli import coerce
-from zero_recipes.config import TrainConfig, validate_cleaning
+from zero_recipes.config.cli import coerce
+from zero_recipes.config.train_config import TrainConfig, validate_cleaning
 from zero_recipes.data.clean_file import clean
 from zero_recipes.errors import ConfigError
 

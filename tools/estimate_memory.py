@@ -50,7 +50,7 @@ import contextlib
 import json
 import sys
 
-# DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds_schema.py)
+# DeepSpeed's logger writes to the stdout it finds at import, and the config check (zero_recipes/ds/schema.py)
 # imports it: bound to stderr here, so stdout (--json) carries the estimate alone.
 with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401

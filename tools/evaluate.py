@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_recipes import atomic, storage
+from zero_recipes.checkpointing import atomic, storage
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation.harness import CHAT_TEMPLATE_MODES
 

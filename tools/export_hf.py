@@ -22,10 +22,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from zero_recipes.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, check_intact, find_checkpoint
+from zero_recipes.adapters.lora import is_adapter_dir, peft_model_from
+from zero_recipes.checkpointing.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, check_intact, find_checkpoint
+from zero_recipes.checkpointing.resume import convert_to_universal
 from zero_recipes.errors import ConfigError
-from zero_recipes.lora import is_adapter_dir, peft_model_from
-from zero_recipes.resume import convert_to_universal
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -102,7 +102,7 @@ def write_pipeline(ckpt: Path, out: Path, dtype, max_shard_size: str) -> None:
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
-    from zero_recipes.pipeline_model import hf_name, tied
+    from zero_recipes.parallel.pipeline.layers import hf_name, tied
 
     config = AutoConfig.from_pretrained(ckpt / HF_FILES)
     n_layers = config.get_text_config().num_hidden_layers
@@ -124,7 +124,7 @@ def expert_parallel(ckpt: Path) -> bool:
     """Whether the run that saved `ckpt` split its experts (its layout says so; DeepSpeed's expert files)."""
     import json
 
-    from zero_recipes.checkpoint import LAYOUT
+    from zero_recipes.checkpointing.checkpoint import LAYOUT
 
     layout = json.loads((ckpt / LAYOUT).read_text()) if (ckpt / LAYOUT).is_file() else {}
     return layout.get("expert_parallel", 1) > 1 or bool(expert_files(ckpt))
@@ -137,8 +137,8 @@ def write_expert_parallel(ckpt: Path, stage: int, out: Path, dtype, max_shard_si
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
-    from zero_recipes.expert_parallel import experts_from_files, to_hf_names
-    from zero_recipes.export import hf_shapes
+    from zero_recipes.checkpointing.export import hf_shapes
+    from zero_recipes.parallel.expert_parallel import experts_from_files, to_hf_names
 
     if stage == 3:
         raise ConfigError(

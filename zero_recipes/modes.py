@@ -6,15 +6,15 @@ The run picks its modes once, in setup (`plan.parallelism`, `plan.adapter`); the
 
 from __future__ import annotations
 
-from . import lora_options
-from .adapter import FullFineTuning
-from .axis import Parallelism
-from .expert_parallel import ExpertParallel
-from .lora import Lora, QLora
-from .mesh import Mesh
-from .pipeline_parallel import PipelineParallel
-from .sequence_parallel import SequenceParallel
-from .tensor_parallel import TensorParallel
+from zero_recipes.adapters import lora_options
+from zero_recipes.adapters.base import FullFineTuning
+from zero_recipes.adapters.lora import Lora, QLora
+from zero_recipes.parallel.axis import Parallelism
+from zero_recipes.parallel.expert_parallel import ExpertParallel
+from zero_recipes.parallel.mesh import Mesh
+from zero_recipes.parallel.pipeline.axis import PipelineParallel
+from zero_recipes.parallel.sequence_parallel import SequenceParallel
+from zero_recipes.parallel.tensor_parallel import TensorParallel
 
 AXES = {
     "tensor": TensorParallel,

@@ -146,10 +146,10 @@ if PROCESS_LOG:
 
     os._exit = _log_and_exit
 if PORTS:
-    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed", _patch_ports))
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed.process", _patch_ports))
 if NAN_AT_STEP or KILL.startswith("in_save:"):
     sys.meta_path.insert(0, _PatchOnImport("deepspeed.runtime.engine", _patch_engine))
 if SLOW_PREPARE:
     sys.meta_path.insert(0, _PatchOnImport("zero_recipes.data", _patch_data))
 if KILL.startswith("after_save:"):
-    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.checkpoint", _patch_checkpointer))
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.checkpointing.checkpoint", _patch_checkpointer))

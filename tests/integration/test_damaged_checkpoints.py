@@ -15,8 +15,8 @@ import shutil
 import pytest
 
 from helpers import CONFIGS, FAST, launch, refusal, step_losses, tool_in_process, train_args
-from zero_recipes.checkpoint import damage, resolve_resume
-from zero_recipes.shipped import TENSOR_PARALLEL
+from zero_recipes.checkpointing.checkpoint import damage, resolve_resume
+from zero_recipes.config.shipped import TENSOR_PARALLEL
 
 # TP2 on 2 ranks: one data-parallel replica, micro 8 (the rows the `trained` runs train per step)
 TP_ARGS = FAST + ["--deepspeed", *CONFIGS["zero2"], TENSOR_PARALLEL[2], "--per_device_train_batch_size", "8"]

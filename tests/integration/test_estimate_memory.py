@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, SMALL_LLAMA, free_port, small_llama, tool_in_process
-from zero_recipes.ds_facts import precision
+from zero_recipes.ds.facts import precision
 from zero_recipes.memory import Launch, estimate, rank_total
 
 NOISE = 0.10  # run-to-run variation of a real DeepSpeed run's peak (see test_model_states_match_real_deepspeed)
@@ -263,7 +263,7 @@ def test_lora_options_and_recipe_block(config_json, tmp_path):
 
     from peft import LoraConfig, get_peft_model
 
-    from zero_recipes.model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     want = get_peft_model(
         meta_model(small_llama()), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

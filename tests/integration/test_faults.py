@@ -146,7 +146,7 @@ def test_fp16_overflow_lines_survive_the_quiet_deepspeed_logger():
 
     from deepspeed.utils import logger
 
-    from zero_recipes import distributed
+    from zero_recipes.distributed import process as distributed
 
     distributed.quiet_deepspeed()
     seen = []

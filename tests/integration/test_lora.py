@@ -239,9 +239,9 @@ def base64(tmp_path_factory, shared_cache):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import builtin_tokenizer_dir
-    from zero_recipes.model import TINY_LLAMA
+    from zero_recipes.modeling.model import TINY_LLAMA
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_dir(TrainConfig()))
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}

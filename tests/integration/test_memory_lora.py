@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, fwd_bwd_peak_bytes, small_llama, tool_in_process
-from zero_recipes.config import TrainConfig
-from zero_recipes.lora import lora_config
+from zero_recipes.adapters.lora import lora_config
+from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
 
 LLAMA_8B = {  # Llama-3.1-8B's shape
@@ -48,7 +48,7 @@ def peft_counts(config, lora) -> tuple[int, int]:
 
     from peft import get_peft_model
 
-    from zero_recipes.model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     return get_peft_model(meta_model(config), copy.deepcopy(lora)).get_nb_trainable_parameters()
 

@@ -26,9 +26,9 @@ import subprocess
 import pytest
 
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, free_port
+from zero_recipes.config.shipped import COMBINATIONS, EXPERT_PARALLEL
 from zero_recipes.memory import Launch, estimate
 from zero_recipes.memory.probe import expert_imbalance
-from zero_recipes.shipped import COMBINATIONS, EXPERT_PARALLEL
 
 MICRO, SEQ = 2, 256
 SHAPE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

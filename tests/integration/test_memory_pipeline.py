@@ -15,8 +15,8 @@ import subprocess
 import pytest
 
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, REPO, SMALL_LLAMA, free_port, small_llama, tool_in_process
+from zero_recipes.config.shipped import COMBINATIONS, PIPELINE_PARALLEL, PRECISIONS
 from zero_recipes.memory import Launch, estimate
-from zero_recipes.shipped import COMBINATIONS, PIPELINE_PARALLEL, PRECISIONS
 
 MICRO, SEQ = 2, 256  # activations a third to a half of a stage's peak: the in-flight micro-batches are tested
 # (ZeRO stage, precision, micro-batches a step, gradient checkpointing)

@@ -16,7 +16,7 @@ import pytest
 
 import export_memory
 from helpers import CONFIGS, FAST, at_step_4, export_diff, fault_env, launch, refusal, remove_shm, step_losses
-from zero_recipes.shipped import EXPERT_PARALLEL, SEQUENCE_PARALLEL
+from zero_recipes.config.shipped import EXPERT_PARALLEL, SEQUENCE_PARALLEL
 
 EP2 = EXPERT_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 9.5e-7 (losses)
@@ -197,7 +197,7 @@ def per_expert_checkpoint(tmp_path_factory):
     import sys
 
     from helpers import REPO
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import builtin_tokenizer_dir
 
     spec = importlib.util.spec_from_file_location(

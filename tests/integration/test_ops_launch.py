@@ -1,11 +1,11 @@
-"""An interrupted first run's JIT build, met by the next launch (zero_recipes/jit_ops.py; the cases one by one are
+"""An interrupted first run's JIT build, met by the next launch (zero_recipes/ds/jit_ops.py; the cases one by one are
 in tests/unit/test_ops_cache.py). The launch gets a TORCH_EXTENSIONS_DIR of its own, a copy of the real cache's
 shm comm folder, so the real ~/.cache/torch_extensions is never touched and nothing compiles for minutes."""
 
 import shutil
 
 from helpers import FAST, launch, load_tool, tool_in_process
-from zero_recipes import jit_ops
+from zero_recipes.ds import jit_ops
 
 
 def interrupted_shm_build(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ from helpers import (
     remove_shm,
     step_losses,
 )
-from zero_recipes.shipped import PIPELINE_PARALLEL
+from zero_recipes.config.shipped import PIPELINE_PARALLEL
 
 PP2 = PIPELINE_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 4.8e-7 (losses), 0 (logits)
@@ -86,7 +86,7 @@ def whole_model_names(model_dir) -> set:
     """The state-dict names of the unsplit model (a tied head stored once, under the embedding's name)."""
     from transformers import AutoConfig
 
-    from zero_recipes.model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     model = meta_model(AutoConfig.from_pretrained(model_dir))
     names = {name for name, _ in model.named_parameters()}  # named_parameters lists a tied weight once

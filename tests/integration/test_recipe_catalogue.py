@@ -21,7 +21,13 @@ import pytest
 import yaml
 
 from helpers import REPO, launch
-from zero_recipes.shipped import ARCHITECTURES, EXPERT_PARALLEL, PIPELINE_PARALLEL, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from zero_recipes.config.shipped import (
+    ARCHITECTURES,
+    EXPERT_PARALLEL,
+    PIPELINE_PARALLEL,
+    SEQUENCE_PARALLEL,
+    TENSOR_PARALLEL,
+)
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
@@ -83,7 +89,7 @@ def shipped_config(name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(shared_cache):
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import builtin_tokenizer_dir
 
     return builtin_tokenizer_dir(TrainConfig())
@@ -322,7 +328,7 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
 
     # the output is a Hugging Face model of the recipe's architecture, or a PEFT adapter on one
     if recipe.get("lora"):
-        from zero_recipes.lora import load_for_inference
+        from zero_recipes.adapters.lora import load_for_inference
 
         assert run_config["lora_r"] == recipe["lora"]["r"] and "lora: r" in run.log
         model = load_for_inference(run.output_dir, dtype=None).get_base_model()

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from helpers import REPO, dry_run_in_process, free_port, refusal, tool_in_process
-from zero_recipes.shipped import ARCHITECTURES
+from zero_recipes.config.shipped import ARCHITECTURES
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()
@@ -32,7 +32,7 @@ def quick_start_model(tmp_path_factory):
     embedded architecture, saved untrained (a dry run reads only its config)."""
     from transformers import AutoConfig
 
-    from zero_recipes.model import TINY_LLAMA
+    from zero_recipes.modeling.model import TINY_LLAMA
 
     out = tmp_path_factory.mktemp("quick-start-model")
     fields = dict(TINY_LLAMA)

@@ -32,7 +32,7 @@ from helpers import (
     step_losses,
     train_as_world,
 )
-from zero_recipes.shipped import SEQUENCE_PARALLEL
+from zero_recipes.config.shipped import SEQUENCE_PARALLEL
 
 SP2 = SEQUENCE_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step loss and export logits; measured max 9.5e-7 (losses)

@@ -26,8 +26,8 @@ from helpers import (
     small_llama,
     tmpfs,
 )
-from zero_recipes.checkpoint import MANIFEST, damage
-from zero_recipes.config import TrainConfig
+from zero_recipes.checkpointing.checkpoint import MANIFEST, damage
+from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.data import builtin_tokenizer_dir
 
 ZERO2_FP32 = ["--deepspeed", "ds_configs/zero2.json", "--bf16", "false"]

@@ -31,7 +31,7 @@ from helpers import (
     step_losses,
     train_as_world,
 )
-from zero_recipes.shipped import TENSOR_PARALLEL
+from zero_recipes.config.shipped import TENSOR_PARALLEL
 
 TP2 = TENSOR_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step loss and export logits; measured max 5e-7 (losses) and 8e-7 (logits)
@@ -102,7 +102,7 @@ def assert_whole_weights(model_dir):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from zero_recipes.model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     want = {k: tuple(v.shape) for k, v in meta_model(AutoConfig.from_pretrained(model_dir)).state_dict().items()}
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
@@ -265,7 +265,7 @@ def test_a_tp_size_the_run_cannot_take_is_refused_in_one_line(world, args, expec
 def test_lora_with_tp_is_refused_in_one_line(tmp_path):
     from transformers import AutoConfig
 
-    from zero_recipes.model import TINY_LLAMA
+    from zero_recipes.modeling.model import TINY_LLAMA
 
     fields = dict(TINY_LLAMA)
     AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path)  # a base to adapt

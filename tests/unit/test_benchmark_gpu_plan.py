@@ -11,7 +11,7 @@ import benchmark
 import pytest
 
 from bench import gpu, gpu_parts, moe
-from zero_recipes.plan import RunPlan
+from zero_recipes.config.plan import RunPlan
 
 
 def test_the_full_run_plans_under_8_minutes_most_valuable_parts_first():

@@ -86,7 +86,7 @@ def test_generated_chats_mask_the_prompt_and_train_the_answer_through_the_chat_t
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import formats
     from zero_recipes.data.builtin import builtin_tokenizer_dir
 

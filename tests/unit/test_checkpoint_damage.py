@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from zero_recipes.checkpoint import (
+from zero_recipes.checkpointing.checkpoint import (
     LAYOUT,
     MANIFEST,
     check_intact,
@@ -20,7 +20,7 @@ from zero_recipes.checkpoint import (
     rotate,
     write_manifest_of,
 )
-from zero_recipes.config import ConfigError
+from zero_recipes.config.train_config import ConfigError
 
 OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 

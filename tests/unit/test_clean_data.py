@@ -12,7 +12,7 @@ from test_cleaning import CODE, EN, ZH
 
 from helpers import tool_in_process
 from zero_recipes import data
-from zero_recipes.config import TrainConfig
+from zero_recipes.config.train_config import TrainConfig
 
 CLEANING = dict(fix_text=True, drop_garbled=True, quality_filter="gopher", dedupe="near")
 FLAGS = ["--fix_text", "true", "--drop_garbled", "true", "--quality_filter", "gopher", "--dedupe", "near"]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from zero_recipes.cli import parse_args
-from zero_recipes.config import ConfigError, TrainConfig, parse_model_config
+from zero_recipes.config.cli import parse_args
+from zero_recipes.config.train_config import ConfigError, TrainConfig, parse_model_config
 
 DS = ["--deepspeed", "ds_configs/zero2.json"]
 

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from zero_recipes import data
-from zero_recipes.config import DEDUPE_MODES, QUALITY_FILTERS, TrainConfig
-from zero_recipes.data import options, pipeline
+from zero_recipes.config.train_config import DEDUPE_MODES, QUALITY_FILTERS, TrainConfig
+from zero_recipes.data import options, preparation as pipeline
 
 TEXTS = [f"Document number {i} says: " + " ".join(f"word{j}" for j in range(i % 13 + 3)) for i in range(60)]
 

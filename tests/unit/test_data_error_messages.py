@@ -5,7 +5,7 @@ import json
 import pytest
 
 from zero_recipes import data
-from zero_recipes.config import ConfigError, TrainConfig
+from zero_recipes.config.train_config import ConfigError, TrainConfig
 
 
 @pytest.fixture(scope="module")

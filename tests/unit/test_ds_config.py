@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from zero_recipes.cli import parse_args
-from zero_recipes.config import ConfigError
-from zero_recipes.ds_config import deep_merge, load_fragments, resolve, with_steps
+from zero_recipes.config.cli import parse_args
+from zero_recipes.config.train_config import ConfigError
+from zero_recipes.ds.intake import deep_merge, load_fragments, resolve, with_steps
 
 
 def cfg_for(*argv):

@@ -9,11 +9,11 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import Field
 
-from zero_recipes import ds_checks
-from zero_recipes.cli import parse_args
-from zero_recipes.config import ConfigError
-from zero_recipes.ds_config import load_fragments, resolve
-from zero_recipes.ds_schema import describe, names_of, normalise, validate
+from zero_recipes.config.cli import parse_args
+from zero_recipes.config.train_config import ConfigError
+from zero_recipes.ds import checks as ds_checks
+from zero_recipes.ds.intake import load_fragments, resolve
+from zero_recipes.ds.schema import describe, names_of, normalise, validate
 
 
 class FakeZero(DeepSpeedConfigModel):

@@ -13,7 +13,7 @@ from zero_recipes.data.packing import Samples
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import harness, in_training
 from zero_recipes.evaluation.shipped_tasks import TASKS_DIR
-from zero_recipes.loop import format_eval
+from zero_recipes.training.loop import format_eval
 
 GOOD = "task: mine\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
 

@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zero_recipes.export import reloaded_logits
+from zero_recipes.checkpointing.export import reloaded_logits
 
 
 def test_a_reload_on_another_device_than_the_probe_still_runs():

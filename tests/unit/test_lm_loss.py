@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from zero_recipes import lm_loss
+from zero_recipes.modeling import lm_loss
 
 V, H = 512, 32
 

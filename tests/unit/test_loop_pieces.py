@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import free_port
-from zero_recipes.loop import NonFiniteGuard
-from zero_recipes.metrics import LogWindow
+from zero_recipes.training.loop import NonFiniteGuard
+from zero_recipes.training.metrics import LogWindow
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +51,7 @@ def test_a_tensor_or_sequence_parallel_group_counts_its_tokens_once(monkeypatch)
     """2 steps of 1000 tokens per rank in 4 s: alone, a rank trained 500 tokens/s; in a TP or SP group of 2
     the group trained them together, so each device did half of that, and MFU is taken on the half. Under
     SP a rank's loss is its slice's share: the replica's loss is their sum."""
-    from zero_recipes import metrics
+    from zero_recipes.training import metrics
 
     clock = iter(())
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))

@@ -1,10 +1,10 @@
-"""The early warning of a fine-tune whose loss climbs above where it started (zero_recipes/loss_rise.py)."""
+"""The early warning of a fine-tune whose loss climbs above where it started (zero_recipes/training/loss_rise.py)."""
 
 from types import SimpleNamespace
 
-from zero_recipes import lr_defaults
-from zero_recipes.cli import parse_args
-from zero_recipes.loss_rise import LossRiseWatch
+from zero_recipes.config import lr_defaults
+from zero_recipes.config.cli import parse_args
+from zero_recipes.training.loss_rise import LossRiseWatch
 
 DS = ["--deepspeed", "ds_configs/zero3.json"]
 

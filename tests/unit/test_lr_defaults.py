@@ -1,5 +1,5 @@
 """The learning rate and weight decay a run takes when the recipe and flags leave them unset: by what is trained
-(zero_recipes/lr_defaults.py), said at launch, recorded in the run signature; a value someone set always wins."""
+(zero_recipes/config/lr_defaults.py), said at launch, recorded in the run signature; a value someone set always wins."""
 
 from pathlib import Path
 
@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from helpers import dry_run_in_process
-from zero_recipes.cli import help_text, parse_args
-from zero_recipes.plan import RunPlan
+from zero_recipes.config.cli import help_text, parse_args
+from zero_recipes.config.plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[2]
 DS = ["--deepspeed", "ds_configs/zero3.json"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from zero_recipes import lr_schedule
+from zero_recipes.training import lr_schedule
 
 
 def optimizer():

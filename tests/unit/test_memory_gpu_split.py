@@ -86,7 +86,7 @@ def test_zero1_backward_holds_every_grad_once_plus_the_bucket():
 def test_train_pys_host_line_is_per_node_on_many_nodes(monkeypatch):
     # 16 ranks on 2 nodes of 8: without zero.Init each rank loads the fp32 model on its node's host before
     # DeepSpeed moves it, so a node holds 8 copies, as one node of 8 does; 16 was the bug
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.memory import for_run
 
     ds = zero(2) | {"train_batch_size": 16}

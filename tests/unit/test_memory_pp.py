@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import SMALL_LLAMA, small_llama
-from zero_recipes.config import ConfigError
+from zero_recipes.config.train_config import ConfigError
 from zero_recipes.memory import Launch, estimate, pipeline, training_compute
 from zero_recipes.memory.pipeline_trace import stage_activations
 
@@ -24,7 +24,7 @@ def zero(stage: int, pp: int, gas: int = 4, **block) -> dict:
 
 
 def block_params() -> int:
-    from zero_recipes.model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     return sum(p.numel() for p in meta_model(small_llama()).model.layers[0].parameters())
 

@@ -1,4 +1,4 @@
-"""The memory estimate under Ulysses sequence parallelism and train.py's tiled loss and MLP (zero_recipes.lm_loss):
+"""The memory estimate under Ulysses sequence parallelism and train.py's tiled loss and MLP (zero_recipes.modeling.lm_loss):
 activations traced at the local s/N tokens with Ulysses' attention shapes, the loss region of one tile, the
 longest sequence --table finds, and the CLI's --sequence_parallel. The checks against real DeepSpeed runs through
 the launcher are benchmarks/estimator.md's SP points (`python tools/benchmark.py estimator --only sp`)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import fwd_bwd_peak_bytes, small_llama
-from zero_recipes.config import ConfigError
+from zero_recipes.config.train_config import ConfigError
 from zero_recipes.memory import Launch, activation_bytes, estimate
 from zero_recipes.memory.longest import longest_sequence
 
@@ -64,11 +64,11 @@ def test_tiled_loss_region_is_one_tiles_not_the_sequences():
 
 def test_tiled_loss_and_mlp_match_a_real_forward_backward():
     """The trace against one real forward/backward with train.py's own tiled loss and TiledMLP installed
-    (zero_recipes.lm_loss, DeepSpeed's sequence_tiled_compute and TiledMLP), 1 x 1024 tokens, 128-token tiles,
+    (zero_recipes.modeling.lm_loss, DeepSpeed's sequence_tiled_compute and TiledMLP), 1 x 1024 tokens, 128-token tiles,
     the tiled weights' gradients held until their last tile as ZeRO holds them: within 1 % (measured equal)."""
     from transformers import AutoModelForCausalLM
 
-    from zero_recipes import lm_loss
+    from zero_recipes.modeling import lm_loss
 
     config = small_llama(num_hidden_layers=2, vocab_size=32768)
     torch.manual_seed(0)

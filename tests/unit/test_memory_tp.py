@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from helpers import small_llama
-from zero_recipes.config import ConfigError
+from zero_recipes.config.train_config import ConfigError
 from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
 from zero_recipes.memory.states import Setup, phases
-from zero_recipes.model import meta_model
+from zero_recipes.modeling.model import meta_model
 
 
 def named_sizes(config) -> dict[str, int]:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from zero_recipes import metrics
+from zero_recipes.training import metrics
 
 
 def counted_llama(kv_heads: int) -> LlamaConfig:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_recipes import combinations, lm_loss, metrics, moe
 from zero_recipes.errors import ConfigError
-from zero_recipes.mesh import Mesh
-from zero_recipes.model import meta_model
+from zero_recipes.modeling import lm_loss, moe
+from zero_recipes.modeling.model import meta_model
+from zero_recipes.parallel import combinations
+from zero_recipes.parallel.mesh import Mesh
+from zero_recipes.training import metrics
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "vocab_size": 256}
 SHAPE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}

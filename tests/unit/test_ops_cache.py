@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT-op build folders, checked in this process (zero_recipes/jit_ops.py): which ops a config loads,
+"""DeepSpeed's JIT-op build folders, checked in this process (zero_recipes/ds/jit_ops.py): which ops a config loads,
 and what a planted stale lock, a lock a live process holds, a half-built folder and a lock on a shared
 filesystem each lead to. TORCH_EXTENSIONS_DIR points at a temporary folder, so the real
 ~/.cache/torch_extensions is never touched; nothing here compiles (that starts ninja: the integration test
@@ -13,8 +13,8 @@ import time
 import pytest
 
 from brought_configs import TRAINS
-from zero_recipes import jit_ops
-from zero_recipes.config import ConfigError
+from zero_recipes.config.train_config import ConfigError
+from zero_recipes.ds import jit_ops
 
 CPU_OFFLOAD = {"device": "cpu"}
 NVME = {"device": "nvme", "nvme_path": "/tmp"}

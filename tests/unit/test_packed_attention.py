@@ -1,4 +1,4 @@
-"""Packed rows attend per example (zero_recipes/packed_attention.py): the same logits and gradients as
+"""Packed rows attend per example (zero_recipes/modeling/packed_attention.py): the same logits and gradients as
 transformers' block-diagonal mask and as each example alone, while eval, padded batches and decoding keep
 transformers' own sdpa path; with the collator's cut points no attention layer reads a device value."""
 
@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from zero_recipes import packed_attention
 from zero_recipes.data import packing
-from zero_recipes.model import TINY_LLAMA, enable_checkpointing
+from zero_recipes.modeling import packed_attention
+from zero_recipes.modeling.model import TINY_LLAMA, enable_checkpointing
 
 LENGTHS = [30, 50, 20]
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from zero_recipes import data, packed_attention
-from zero_recipes.config import TrainConfig
+from zero_recipes import data
+from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.data import packing
 from zero_recipes.data.streaming import prepare_stream
+from zero_recipes.modeling import packed_attention
 
 # max |packed - unpacked| per-example mean loss, fp32: the same math in a different summation order
 PACKED_LOSS_TOL = 1e-5

@@ -1,23 +1,18 @@
 """The parallel mesh and what tensor parallelism refuses, without a launcher: the arithmetic of
-zero_recipes.mesh, the batch the "auto"s resolve to, and the resume layouts refused up front."""
+zero_recipes.parallel.mesh, the batch the "auto"s resolve to, and the resume layouts refused up front."""
 
 import json
 
 import pytest
 from transformers import AutoConfig
 
-from zero_recipes import (
-    combinations,
-    ds_config,
-    ds_facts,
-    lora_options,
-    mesh as parallel,
-    modes,
-    resume,
-    tensor_parallel,
-)
-from zero_recipes.config import ConfigError, TrainConfig
-from zero_recipes.model import TINY_LLAMA
+from zero_recipes import modes
+from zero_recipes.adapters import lora_options
+from zero_recipes.checkpointing import resume
+from zero_recipes.config.train_config import ConfigError, TrainConfig
+from zero_recipes.ds import facts as ds_facts, intake as ds_config
+from zero_recipes.modeling.model import TINY_LLAMA
+from zero_recipes.parallel import combinations, mesh as parallel, tensor_parallel
 
 TINY = AutoConfig.for_model(**TINY_LLAMA)  # 4 heads over 2 key-value heads
 

@@ -8,10 +8,12 @@ import pytest
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from transformers import AutoConfig
 
-from zero_recipes import ds_config, ds_facts, mesh as parallel, pipeline_model
-from zero_recipes.config import ConfigError, TrainConfig
-from zero_recipes.model import TINY_LLAMA, meta_model
-from zero_recipes.pipeline_parallel import PipelineParallel
+from zero_recipes.config.train_config import ConfigError, TrainConfig
+from zero_recipes.ds import facts as ds_facts, intake as ds_config
+from zero_recipes.modeling.model import TINY_LLAMA, meta_model
+from zero_recipes.parallel import mesh as parallel
+from zero_recipes.parallel.pipeline import layers as pipeline_model
+from zero_recipes.parallel.pipeline.axis import PipelineParallel
 
 
 def test_stages_are_outermost_as_deepspeeds_topology_lays_them_out():

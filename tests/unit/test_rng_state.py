@@ -3,7 +3,7 @@
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from zero_recipes.rng import rng_state, set_rng_state
+from zero_recipes.checkpointing.rng import rng_state, set_rng_state
 
 
 def test_the_accelerators_generator_is_saved_with_its_device():

@@ -3,8 +3,8 @@
 import pytest
 
 from helpers import file_tree
-from zero_recipes import run_dir
-from zero_recipes.config import ConfigError
+from zero_recipes.checkpointing import run_dir
+from zero_recipes.config.train_config import ConfigError
 
 SIGNATURE = {"learning_rate": 3e-4}
 # One user file under every name a run or its export may write, as a user might have them.

@@ -7,18 +7,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zero_recipes import (
-    combinations,
-    ds_config,
-    ds_facts,
-    lora_options,
-    mesh as parallel,
-    packed_attention,
-    sequence_parallel,
-)
-from zero_recipes.config import ConfigError, TrainConfig
+from zero_recipes.adapters import lora_options
+from zero_recipes.config.train_config import ConfigError, TrainConfig
 from zero_recipes.data.packing import collate
-from zero_recipes.model import TINY_LLAMA
+from zero_recipes.ds import facts as ds_facts, intake as ds_config
+from zero_recipes.modeling import packed_attention
+from zero_recipes.modeling.model import TINY_LLAMA
+from zero_recipes.parallel import combinations, mesh as parallel, sequence_parallel
 
 TINY = AutoConfig.for_model(**TINY_LLAMA)  # 4 heads over 2 key-value heads
 

@@ -16,9 +16,10 @@ from .workload import WindowClock, pop_flag, setup
 def main(argv: list[str]) -> int:
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zero_recipes import distributed, model as modeling
-    from zero_recipes.engine import make_engine
-    from zero_recipes.runner import EagerRunner
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.modeling import model as modeling
+    from zero_recipes.training.engine import make_engine
+    from zero_recipes.training.runner import EagerRunner
 
     argv, profile_out = pop_flag(argv, "--profile_out")
     w = setup(argv)

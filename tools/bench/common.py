@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zero_recipes.distributed import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
-from zero_recipes.metrics import cpu_name
+from zero_recipes.distributed.process import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+from zero_recipes.training.metrics import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
 TOOLS = REPO / "tools"  # where the `bench` package is imported from (the folder of tools/benchmark.py)
@@ -119,7 +119,7 @@ def write_report(out_dir: str, name: str, result: dict, markdown: str, say: bool
     rewritten as a run goes is never seen half-written, even by a kill); returns the .md path."""
     import json
 
-    from zero_recipes.atomic import write_text
+    from zero_recipes.checkpointing.atomic import write_text
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

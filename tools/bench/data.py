@@ -32,7 +32,7 @@ GOALS = {"prep_ratio": 2.0, "first_step_ratio": 0.10, "packing": 0.95}
 
 def prep_ours(jsonl: str, num_proc: int, cache: str, tok) -> tuple[float, int]:
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
 
     cfg = TrainConfig(
         dataset_name=jsonl,
@@ -105,7 +105,7 @@ def cmd_prep_once(args) -> int:
     import pyarrow.compute  # noqa: F401 -- imported before the clock starts, for both pipelines alike
 
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
 
     cache = Path(os.environ.get("HF_DATASETS_CACHE", ""))
     if not cache.is_dir() or any(cache.iterdir()) or Path(datasets.config.HF_DATASETS_CACHE) != cache:
@@ -123,7 +123,7 @@ def cmd_prep_once(args) -> int:
 def make_corpus(tmp: Path, quick: bool, target: int = TARGET_TOKENS, name: str = "corpus.jsonl") -> dict:
     """The embedded corpus repeated K times (~target tokens; 1 copy with --quick), each copy's lines changed."""
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
 
     cfg = TrainConfig()
     texts = [json.loads(line)["text"] for line in data.builtin_corpus_file(cfg).open()]
@@ -208,7 +208,7 @@ def first_step(tmp: Path, corpus: str, timeout: int) -> dict:
     env.pop("OMP_NUM_THREADS", None)
     # The embedded tokenizer is built beforehand, so the cold launch pays for the data and nothing else
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
 
     data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(tmp / "zr-cache")))
     times = {}
@@ -261,7 +261,7 @@ def packing_utilisation(tmp: Path, corpus: str) -> dict:
     import numpy as np
 
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
 
     datasets.disable_progress_bars()
     tok = data.load_tokenizer(TrainConfig())

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from zero_recipes.shipped import PRECISIONS, select
+from zero_recipes.config.shipped import PRECISIONS, select
 
 from .common import REPO, free_port, new_report, run_checked, write_report
 from .estimator_report import MODELS, long_options, markdown
@@ -200,13 +200,13 @@ def predict(point, measured: dict) -> dict:
 
 
 def lora_config_of(lora: dict | None):
-    """The peft LoraConfig train.py would build for these options (zero_recipes.lora.lora_config)."""
+    """The peft LoraConfig train.py would build for these options (zero_recipes.adapters.lora.lora_config)."""
     if not lora:
         return None
     import dataclasses
 
-    from zero_recipes.config import TrainConfig
-    from zero_recipes.lora import lora_config
+    from zero_recipes.adapters.lora import lora_config
+    from zero_recipes.config.train_config import TrainConfig
 
     return lora_config(dataclasses.replace(TrainConfig(), lora_r=lora["r"], lora_dropout=lora["dropout"]))
 

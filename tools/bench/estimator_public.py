@@ -50,10 +50,10 @@ def estimate_case(case: dict):
     """tools/estimate_memory.py's estimate for one published setup."""
     from transformers import AutoConfig
 
-    from zero_recipes import ds_config
-    from zero_recipes.cli import parse_args
+    from zero_recipes.config.cli import parse_args
+    from zero_recipes.ds import intake as ds_config
     from zero_recipes.memory import Launch, estimate
-    from zero_recipes.model import hidden_size
+    from zero_recipes.modeling.model import hidden_size
 
     fields = dict(case["model_config"])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)

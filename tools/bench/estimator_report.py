@@ -110,7 +110,7 @@ def long_summary(points: list) -> str:
     return (
         '- Long context (`--only long` remeasures these): Ulysses SP (`{"sequence_parallel_size": 2}` as one more '
         "fragment; the probe cuts each row as train.py does and registers DeepSpeed's Ulysses attention) and train.py's "
-        "tiled loss and MLP (zero_recipes.lm_loss installed as train.py installs it): "
+        "tiled loss and MLP (zero_recipes.modeling.lm_loss installed as train.py installs it): "
         f"{in_target(long)}. "
         "The estimate traces one rank at s/2 tokens with Ulysses' all-to-all shapes around sdpa, and the loss and MLP "
         "through lm_loss itself. The SP2 ZeRO-3 misses are ZeRO-3's on 2 ranks, not SP's: the control without SP at "
@@ -133,7 +133,7 @@ def lora_summary(points: list) -> str:
     others = [e for p in lora for ph, e in p["phase_errors"].items() if ph != p["phase"]]
     return (
         f"- LoRA (r16 on all-linear; the base a bf16 checkpoint loaded as train.py loads it, wrapped by "
-        f"zero_recipes.lora.wrap; `--only lora` remeasures these and keeps the other points as measured before): "
+        f"zero_recipes.adapters.lora.wrap; `--only lora` remeasures these and keeps the other points as measured before): "
         f"{in_target(lora)}. "
         f"The phases that are not the peak range {min(others):+.0%} to {max(others):+.0%} (estimator.json, "
         "phase_errors): on two ZeRO-3 ranks the rank compared is the one with the largest peak, not rank 0, "

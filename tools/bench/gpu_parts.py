@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from zero_recipes.shipped import PRECISIONS, select
+from zero_recipes.config.shipped import PRECISIONS, select
 
 from . import moe, paired, sft
 from .common import free_port, run_checked
@@ -73,7 +73,7 @@ def predicted(argv: list[str]) -> dict:
     """tools/estimate_memory.py's peak for the run these train.py flags make on one rank (for_run: what train.py
     itself logs on a GPU). On the CPU accelerator device and host are one pool: the worst phase's sum."""
     from zero_recipes import memory
-    from zero_recipes.plan import RunPlan
+    from zero_recipes.config.plan import RunPlan
 
     plan = RunPlan.from_args(argv)
     plan = plan.complete(plan.cfg.max_steps)

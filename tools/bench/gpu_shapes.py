@@ -12,7 +12,7 @@ warm-up pass; each parameter's gradient is dropped as it is made, as ZeRO takes 
 - SP2 rank: the sequence halved with every head's attention over it. A Ulysses rank runs its projections and
   MLP on seq/2 tokens, as here, but attends over all seq tokens with half the heads: twice this attention;
 - PP2 stage: half the layers, with both the embedding and the head (each real stage has one of them).
-Per shape: the median pass's tokens/s and MFU (zero_recipes.metrics' FLOPs and peak), and the activation peak
+Per shape: the median pass's tokens/s and MFU (zero_recipes.training.metrics' FLOPs and peak), and the activation peak
 of one pass (weights excluded) against zero_recipes.memory.activation_bytes for the same shape.
 """
 
@@ -68,8 +68,8 @@ def measure(config, seq: int, spec: dict, device: str, peak: float) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zero_recipes import metrics
     from zero_recipes.memory import activation_bytes
+    from zero_recipes.training import metrics
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["precision"]]
     micro = spec["micro"]
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     spec, out = json.loads(argv[0]), Path(argv[1])
     import torch
 
-    from zero_recipes import metrics
+    from zero_recipes.training import metrics
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peak, source = metrics.device_peak_flops(spec["precision"])

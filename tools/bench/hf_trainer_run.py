@@ -60,7 +60,10 @@ def main(argv: list[str]) -> int:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from zero_recipes import data, distributed, ds_facts, model as modeling
+    from zero_recipes import data
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.ds import facts as ds_facts
+    from zero_recipes.modeling import model as modeling
 
     argv, phases_out = pop_flag(argv, "--phases_out")
     w = setup(argv)

@@ -295,7 +295,7 @@ def report(size: dict, points: dict, searches: dict, cap: float, code: dict, sta
     """The report's figures (its .json): settings, goals, searches, loss parity and every point."""
     from transformers import LlamaConfig
 
-    from zero_recipes.model import count_params_meta
+    from zero_recipes.modeling.model import count_params_meta
 
     from .parallel import model_fields
 

@@ -144,7 +144,8 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from zero_recipes import distributed, metrics
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.training import metrics
 
     instrument_points()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

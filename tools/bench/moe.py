@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zero_recipes.shipped import EXPERT_PARALLEL, select
+from zero_recipes.config.shipped import EXPERT_PARALLEL, select
 
 from .common import REPO, footer, new_report, write_report
 from .parallel import launch, measure, slug, summarise
@@ -49,8 +49,8 @@ SIZES = {
 def parameters(model: dict) -> str:
     from transformers import AutoConfig
 
-    from zero_recipes import moe
-    from zero_recipes.model import count_params_meta
+    from zero_recipes.modeling import moe
+    from zero_recipes.modeling.model import count_params_meta
 
     config = AutoConfig.for_model(model["model_type"], **{k: v for k, v in model.items() if k != "model_type"})
     return moe.parameters_in_words(config, count_params_meta(config))

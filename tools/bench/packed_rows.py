@@ -2,7 +2,7 @@
 packed with the benchmark's conversation lengths, three ways, in this process (1 thread):
 - text: the same tokens as one causal sequence per row (what pretraining text costs);
 - block mask: transformers' block-diagonal mask from the restarting position ids (sdpa over the whole row);
-- per example: zero_recipes/packed_attention.py, one causal sdpa call per example (what train.py runs), on the
+- per example: zero_recipes/modeling/packed_attention.py, one causal sdpa call per example (what train.py runs), on the
   batch as train.py's collator builds it (data/packing.py `collate`: position ids and the cut points between
   examples, so no layer derives them from the position ids).
 The median of 5 timed steps each, and the share of the masked step spent in attention (torch.profiler).
@@ -35,9 +35,9 @@ def measure(block: int, high: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from zero_recipes import packed_attention
     from zero_recipes.data import packing
-    from zero_recipes.model import TINY_LLAMA
+    from zero_recipes.modeling import packed_attention
+    from zero_recipes.modeling.model import TINY_LLAMA
 
     torch.set_num_threads(1)
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zero_recipes.shipped import PRECISIONS, select
+from zero_recipes.config.shipped import PRECISIONS, select
 
 from .common import REPO, free_port, new_report, run_checked, write_report
 from .lora import spread
@@ -141,7 +141,7 @@ def summarise(raw: dict, skip: int, configs: dict = CONFIGS) -> dict:
 
 def model_fields(model: dict | None) -> dict:
     """The model's config fields: the embedded tiny Llama's, overridden by --model_config's (as train.py)."""
-    from zero_recipes.model import TINY_LLAMA
+    from zero_recipes.modeling.model import TINY_LLAMA
 
     return {**TINY_LLAMA, **(model or {})}
 
@@ -225,7 +225,7 @@ def cmd_parallel(args) -> int:
     configs = summarise(raw, size["skip"])
     from transformers import LlamaConfig
 
-    from zero_recipes.model import count_params_meta
+    from zero_recipes.modeling.model import count_params_meta
 
     params = count_params_meta(LlamaConfig(**model_fields(size["model"])))
     bytes_per_value = 2 if precision == "bf16" else 4

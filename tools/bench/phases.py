@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="phases")  # its imports and main()
     import torch
 
-    from zero_recipes import distributed, metrics
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.training import metrics
 
     mark_engine_calls()
     last = int(argv[argv.index("--max_steps") + 1])

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zero_recipes.shipped import PIPELINE_PARALLEL, PRECISIONS, select
+from zero_recipes.config.shipped import PIPELINE_PARALLEL, PRECISIONS, select
 
 from . import paired, pipeline_bubble
 from .common import REPO, free_port, new_report, run_checked, write_report
@@ -210,7 +210,7 @@ def report(size: dict, precision: str, raw: dict, wall: float) -> dict:
     """The report's fields: settings, the configurations, the bubble, the GPU lines and the raw runs."""
     from transformers import LlamaConfig
 
-    from zero_recipes.model import count_params_meta
+    from zero_recipes.modeling.model import count_params_meta
 
     sources, bubble_skip, source = bubble_sources(raw, size)
     settings = {

@@ -47,7 +47,7 @@ def make_work(tmp: Path, s: dict) -> dict:
     """The tokenizer (built once, saved where every runner loads it) and the conversations, in `messages`
     form and in TRL's prompt-completion form."""
     from zero_recipes import data
-    from zero_recipes.config import TrainConfig
+    from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import formats
     from zero_recipes.data.builtin import stdlib_docstrings
 
@@ -325,7 +325,7 @@ def attention_notes(a: dict | None) -> list[str]:
         f"- One forward+backward of two packed rows ({' and '.join(map(str, a['examples_per_row']))} examples; "
         "bench/packed_rows.py, 1 thread), "
         f"text / transformers' block mask / train.py's per-example sdpa: {attention_line(a)}. The mask makes "
-        "attention grow with the row; the per-example split (zero_recipes/packed_attention.py) with the examples; "
+        "attention grow with the row; the per-example split (zero_recipes/modeling/packed_attention.py) with the examples; "
         "on GPUs flash-attention's varlen kernel does the same (`--attn_implementation flash_attention_2`).",
     ]
 

@@ -79,9 +79,12 @@ def main(argv: list[str]) -> int:
     import torch
     from accelerate import PartialState
 
-    from zero_recipes import data, distributed, ds_facts, model as modeling
+    from zero_recipes import data
+    from zero_recipes.config.plan import RunPlan
     from zero_recipes.data import formats
-    from zero_recipes.plan import RunPlan
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.ds import facts as ds_facts
+    from zero_recipes.modeling import model as modeling
 
     argv, peer = pop_flag(argv, "--peer")
     argv, out = pop_flag(argv, "--probe_out")

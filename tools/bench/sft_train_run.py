@@ -26,8 +26,10 @@ def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="sft_train_run")  # its imports and main()
     import torch
 
-    from zero_recipes import data, distributed, metrics
+    from zero_recipes import data
     from zero_recipes.data import formats
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.training import metrics
 
     probe, seen = StepProbe(), {}
 

@@ -13,7 +13,7 @@ __main__ unchanged. Nothing is imported early or in another order, so the run st
 - phases: the calls every runner makes, timed from entry to return with the imports inside them taken out:
   process group (torch.distributed.init_process_group), tokenizer (zero_recipes.data.load_tokenizer, which
   both runners call), data (train.py's data.prepare; TRL's SFTTrainer._prepare_dataset), model build
-  (zero_recipes.model.build_model), deepspeed.initialize, and the first step (the first training forward to
+  (zero_recipes.modeling.model.build_model), deepspeed.initialize, and the first step (the first training forward to
   the second). The rest up to the first step (argument parsing, the trainer's own set-up) is "other".
 
 Each rank writes <startup_out>.rank<N>.json when its second training forward starts, then exits at once: the
@@ -37,7 +37,7 @@ PHASES = (  # module, attribute path, phase: patched as soon as the module has r
     ("zero_recipes.data", "load_tokenizer", "tokenizer"),  # the package's names are the ones train.py calls
     ("zero_recipes.data", "prepare", "data"),
     ("trl.trainer.sft_trainer", "SFTTrainer._prepare_dataset", "data"),
-    ("zero_recipes.model", "build_model", "model build"),
+    ("zero_recipes.modeling.model", "build_model", "model build"),
     ("deepspeed", "initialize", "deepspeed.initialize"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.forward", "forward"),
 )

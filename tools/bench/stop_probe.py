@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_recipes import distributed
+from zero_recipes.distributed import process as distributed
 
 
 def main() -> None:

@@ -39,7 +39,8 @@ def without_checkpoints(run):
 
 def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="unsaved_train")  # its imports and main()
-    from zero_recipes import distributed, metrics
+    from zero_recipes.distributed import process as distributed
+    from zero_recipes.training import metrics
 
     try:
         code = train["main"](argv, instrument=without_checkpoints)

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
 
-from zero_recipes import data, distributed
-from zero_recipes.plan import RunPlan
+from zero_recipes import data
+from zero_recipes.config.plan import RunPlan
+from zero_recipes.distributed import process as distributed
 
 
 @dataclass

@@ -10,8 +10,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ..atomic import staged
-from ..config import TrainConfig
+from zero_recipes.checkpointing.atomic import staged
+from zero_recipes.config.train_config import TrainConfig
+
 from ..errors import ConfigError
 from .cache import cache_root, digest as _digest
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic, storage
+from zero_recipes.checkpointing import atomic, storage
+from zero_recipes.data.preparation import map_processes
+
 from ..errors import ConfigError
 from . import dedupe, formats, sources
 from .cleaning import Cleaner, check_format, fix_strings
 from .options import DataOptions
-from .pipeline import map_processes
 
 EXAMPLES_PER_REASON = 3
 EXAMPLE_CHARS = 400

@@ -83,7 +83,7 @@ def collate(rows: list, pad_id: int, length: int | None = None) -> dict:
     tokens laid end to end: where each segment starts, then b x T."""
     import torch
 
-    from ..packed_attention import varlen_kwargs
+    from zero_recipes.modeling.packed_attention import varlen_kwargs
 
     lens = [sum(len(t) for t, _ in r) for r in rows]
     T = length or max(lens)

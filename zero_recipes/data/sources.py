@@ -11,9 +11,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from ..config import BUILTIN_DATASET, BUILTIN_INSTRUCTIONS, DATASET_FORMATS, parse_inline_or_file
+from zero_recipes.config.hub import unreachable
+from zero_recipes.config.train_config import (
+    BUILTIN_DATASET,
+    BUILTIN_INSTRUCTIONS,
+    DATASET_FORMATS,
+    parse_inline_or_file,
+)
+
 from ..errors import ConfigError
-from ..hub import unreachable
 from . import builtin, formats
 
 LOCAL_BUILDERS = {

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from zero_recipes.data.preparation import Prepared
+
 from ..errors import ConfigError
 from . import cleaning, formats, packing, sources
 from .options import DataOptions
-from .pipeline import Prepared
 
 CHUNK = 256  # examples tokenised per call
 

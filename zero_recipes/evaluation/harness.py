@@ -135,7 +135,7 @@ def select_tasks(requested: list[str]) -> TaskSelection:
 def model_args(model_dir: Path) -> dict:
     """lm-eval's `hf` model arguments for a run's export: a full model, or a PEFT adapter on the base its
     adapter_config.json names. The tokenizer is the one the run saved (its chat template included)."""
-    from ..lora import is_adapter_dir
+    from zero_recipes.adapters.lora import is_adapter_dir
 
     if is_adapter_dir(model_dir):
         base = json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]

@@ -19,9 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import storage
+from zero_recipes.checkpointing import storage
+from zero_recipes.checkpointing.rng import rng_state, set_rng_state
+
 from ..errors import ConfigError
-from ..rng import rng_state, set_rng_state
 from . import harness
 
 SAMPLES_STEM = "eval_samples"

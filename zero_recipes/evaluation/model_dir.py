@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import find_checkpoint
+from zero_recipes.adapters.lora import is_adapter_dir
+from zero_recipes.checkpointing.checkpoint import find_checkpoint
+
 from ..errors import ConfigError
-from ..lora import is_adapter_dir
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -44,7 +45,7 @@ def load(d: Path):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..lora import load_for_inference
+    from zero_recipes.adapters.lora import load_for_inference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if device == "cuda" else torch.float32

@@ -33,7 +33,7 @@ CLOZE_ITEMS = 200
 
 def quick_start_config():
     """The quick start's data settings (train.py with no recipe): the embedded corpus, its split and seed."""
-    from ..cli import parse_args
+    from zero_recipes.config.cli import parse_args
 
     return parse_args(["--deepspeed", str(REPO / "ds_configs" / "zero3.json")])[0]
 
@@ -41,7 +41,7 @@ def quick_start_config():
 def tiny_sft_config():
     import dataclasses
 
-    from ..cli import parse_args
+    from zero_recipes.config.cli import parse_args
 
     # the recipe's model is the quick start's export; its tokenizer is the embedded one, saved there unchanged
     cfg = parse_args(["--recipe", str(REPO / "recipes" / "tiny-sft.yaml")])[0]
@@ -78,8 +78,9 @@ def tiny_instructions(rows) -> list[dict]:
 
 
 def build() -> dict[str, list[dict]]:
+    from zero_recipes.data.preparation import held_out_examples
+
     from ..data import load_tokenizer
-    from ..data.pipeline import held_out_examples
 
     cfg = quick_start_config()
     docs = held_out_examples(cfg, load_tokenizer(cfg))[0]["text"]

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import write_text
+from zero_recipes.checkpointing.atomic import write_text
+
 from ..data.formats import CHAT_ROLES
 from ..errors import ConfigError
 

@@ -17,7 +17,7 @@ equal to the byte for sdpa in bf16 and fp32, with gradient checkpointing and wit
 real runs never allocate: +4 % at 2 x 512 tokens, +13 % at 2 x 2048, growing with the length.)
 
 Sequence parallelism (sequence_parallel.py): one rank is traced at its s/N tokens with Ulysses' attention shapes.
-train.py's own loss (zero_recipes.lm_loss: always under SP, tiled once a micro-batch exceeds one tile) and its
+train.py's own loss (zero_recipes.modeling.lm_loss: always under SP, tiled once a micro-batch exceeds one tile) and its
 tiled MLP are installed on the traced model as train.py installs them, so their tiles are what is counted.
 """
 
@@ -104,7 +104,7 @@ def trace_peak(
 ) -> int:
     """`seq_len` is the whole sequence; with `sp` > 1 the model runs on its seq_len/sp slice with Ulysses'
     attention (sequence_parallel.ulysses_attention). `loss_tile`: None, the model's own loss; else train.py's
-    (zero_recipes.lm_loss) with that many tokens per tile, 0 for its untiled path. `tiled_mlp`: every MLP
+    (zero_recipes.modeling.lm_loss) with that many tokens per tile, 0 for its untiled path. `tiled_mlp`: every MLP
     through DeepSpeed's TiledMLP as train.py wraps it (lm_loss.install_tiled_mlp)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -121,11 +121,11 @@ def trace_peak(
     with mode:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         if gradient_checkpointing:
-            from ..model import enable_checkpointing
+            from zero_recipes.modeling.model import enable_checkpointing
 
             enable_checkpointing(model)
         if loss_tile is not None or tiled_mlp:
-            from .. import lm_loss
+            from zero_recipes.modeling import lm_loss
 
             if loss_tile is not None:  # zero3=False: no collective to agree on the tile count in a trace
                 lm_loss.install(model, loss_tile or 1, bool(loss_tile), zero3=False)
@@ -146,7 +146,7 @@ def trace_peak(
 
 
 def _peft_wrapped(model, lora):
-    """peft's LoRA layers as train.py wraps them (zero_recipes.lora.wrap): lora_A, lora_B and the dropout save
+    """peft's LoRA layers as train.py wraps them (zero_recipes.adapters.lora.wrap): lora_A, lora_B and the dropout save
     their inputs, and autograd saves no input of a frozen weight's matmul for its (absent) grad. Wrapped outside
     the fake mode: peft moves each new adapter to its base layer's device, which fake parameters cannot be
     swapped for (an error, measured); the adapters of one or two layers are small real tensors.
@@ -195,11 +195,11 @@ def _eager_masks():
 
 def loss_tile(config, micro_batch: int, seq_len: int, sp: int, tiled_loss: bool, loss_tile_tokens: int) -> int | None:
     """Which loss train.py runs, as trace_peak takes it: None for the model's own (transformers' ForCausalLMLoss),
-    else zero_recipes.lm_loss's with this many tokens per tile (0: its untiled path). lm_loss.applies decides:
+    else zero_recipes.modeling.lm_loss's with this many tokens per tile (0: its untiled path). lm_loss.applies decides:
     always under SP, else when tiling is on and the micro-batch's local tokens exceed one tile."""
     from types import SimpleNamespace
 
-    from .. import lm_loss
+    from zero_recipes.modeling import lm_loss
 
     cfg = SimpleNamespace(
         per_device_train_batch_size=micro_batch,
@@ -262,12 +262,12 @@ def activation_bytes(
     loss_tile_tokens: int = 0,
     tiled_mlp: bool = False,
 ) -> Activations:
-    """`lora`: a peft LoraConfig (zero_recipes.lora.lora_config) to trace the peft-wrapped model, else None.
+    """`lora`: a peft LoraConfig (zero_recipes.adapters.lora.lora_config) to trace the peft-wrapped model, else None.
     `tp` > 1: one tensor-parallel rank's activations, traced through the model with its per-rank widths
     (tensor_parallel.local_config: heads and MLP width over tp, the residual stream and norms whole).
     `sp` > 1: one Ulysses rank's, the model run on seq_len/sp tokens with the all-to-alls' shapes around
     attention (sequence_parallel.py). `tiled_loss`, `loss_tile_tokens`, `tiled_mlp`: train.py's flags; the loss
-    and the MLPs are traced through train.py's own code for them (zero_recipes.lm_loss)."""
+    and the MLPs are traced through train.py's own code for them (zero_recipes.modeling.lm_loss)."""
     import torch
 
     from .tensor_parallel import local_config

@@ -14,11 +14,12 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from .. import combinations
-from ..ds_facts import offloads, precision as ds_precision, zero_stage
+from zero_recipes.ds.facts import offloads, precision as ds_precision, zero_stage
+from zero_recipes.parallel import combinations
+from zero_recipes.parallel.mesh import Mesh
+from zero_recipes.parallel.sequence_parallel import check_split
+
 from ..errors import ConfigError
-from ..mesh import Mesh
-from ..sequence_parallel import check_split
 from . import moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
@@ -142,8 +143,8 @@ def estimate(
     load_in_4bit: bool = False,
     stage_traces: list | None = None,
 ) -> Estimate:
-    """`ds` is a resolved DeepSpeed config (zero_recipes.ds_config.resolve), as train.py uses it; `lora` a peft
-    LoraConfig (zero_recipes.lora.lora_config) for a LoRA run, else None. Under pipeline parallelism every stage
+    """`ds` is a resolved DeepSpeed config (zero_recipes.ds.intake.resolve), as train.py uses it; `lora` a peft
+    LoraConfig (zero_recipes.adapters.lora.lora_config) for a LoRA run, else None. Under pipeline parallelism every stage
     is estimated and the worst one reported (`_pipelined`); `stage_traces`, its stages' activations
     (pipeline.stage_activations) when already traced, as `activations` is without it."""
     mesh = Mesh.of(launch.world, ds)
@@ -153,7 +154,7 @@ def estimate(
     if sp > 1:
         check_split(sp, model_config, launch.seq_len, "the sequence length", "--seq_len")
     if mesh.pp > 1:
-        from ..pipeline_model import refusal
+        from zero_recipes.parallel.pipeline.layers import refusal
 
         if problem := refusal(model_config, mesh.pp):  # a family or stage count train.py cannot split
             raise ConfigError(problem)
@@ -403,9 +404,9 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     import torch
 
     try:
-        from ..distributed import rank_info
-        from ..lora import lora_config
-        from ..lora_options import enabled
+        from zero_recipes.adapters.lora import lora_config
+        from zero_recipes.adapters.lora_options import enabled
+        from zero_recipes.distributed.process import rank_info
 
         per_node = min(world, rank_info()[3] or world)  # the launcher's ranks on this node: host memory is per node
         e = estimate(

@@ -16,10 +16,13 @@ LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "
 def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo: dict | None = None):
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing. `memo`
     (see `loader`) keeps the model config of arguments already read."""
-    from .. import combinations, ds_config, lora_options, modes
-    from ..cli import parse_args
-    from ..ds_facts import zero_stage
-    from ..mesh import Mesh
+    from zero_recipes import modes
+    from zero_recipes.adapters import lora_options
+    from zero_recipes.config.cli import parse_args
+    from zero_recipes.ds import intake as ds_config
+    from zero_recipes.ds.facts import zero_stage
+    from zero_recipes.parallel import combinations
+    from zero_recipes.parallel.mesh import Mesh
 
     cfg, explicit = parse_args(train_argv(args, deepspeed, micro))
     key = tuple(train_argv(args, [], micro))  # all that decides the model config: the arguments but --deepspeed
@@ -57,7 +60,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
     """The CLI's arguments as train.py's command line."""
     argv = ["--recipe", args.recipe] if args.recipe else []
     if args.model:
-        # LoRA needs a pretrained base (zero_recipes.lora_options.validate_options); of a config.json the estimate reads
+        # LoRA needs a pretrained base (zero_recipes.adapters.lora_options.validate_options); of a config.json the estimate reads
         # only the architecture, which AutoConfig.from_pretrained reads from the file as well
         as_config = args.model.endswith(".json") and not lora_requested(args)
         argv += ["--model_config" if as_config else "--model_name_or_path", args.model]
@@ -87,7 +90,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
 def model_config(args, cfg):
     """(model config, hidden size), the input checked as train.py checks it, and a config.json checked for what
     the estimate needs of it."""
-    from .. import model as modeling
+    from zero_recipes.modeling import model as modeling
 
     # a config.json is checked once: under LoRA before the DeepSpeed check, as before, otherwise after it
     config_file = args.model if args.model and args.model.endswith(".json") else None
@@ -105,7 +108,7 @@ def model_config(args, cfg):
             "and hidden_size), a model directory or a hub id"
         )
     if cfg.lora_r > 0:
-        from .. import lora
+        from zero_recipes.adapters import lora
 
         lora.check_targets(
             cfg, modeling.meta_model(config), config.model_type
@@ -144,7 +147,7 @@ def lora_requested(args) -> bool:
         return args.lora_r > 0
     if not args.recipe:
         return False
-    from ..cli import load_recipe
+    from zero_recipes.config.cli import load_recipe
 
     recipe = load_recipe(args.recipe)
     block = recipe.get("lora") if isinstance(recipe.get("lora"), dict) else {}
@@ -222,7 +225,7 @@ def pipeline_notes(e, ds: dict) -> list[str]:
 
 
 def loss_notes(cfg, config, sp: int) -> list[str]:
-    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.lm_loss)."""
+    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.modeling.lm_loss)."""
     from .activations import loss_tile
 
     tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, cfg.tiled_loss, cfg.loss_tile_tokens)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import shipped
+from zero_recipes.config import shipped
 
 # The longest sequence: sequence parallelism over all GPUs of one node, at these counts, under ZeRO-3
 LONGEST_GPUS = (1, 2, 4, 8)

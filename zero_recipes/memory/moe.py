@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from .. import moe
+from zero_recipes.modeling import moe
 
 EXPERT_IMBALANCE = 2.0
 """Rows on the most-loaded EP rank over the balanced T*k (see the module docstring)."""
@@ -117,7 +117,7 @@ def held_largest(model_config, largest: int, s: Split) -> int:
 
 
 def _param_sizes(model_config):
-    from ..model import meta_model
+    from zero_recipes.modeling.model import meta_model
 
     return [(n, p.numel()) for n, p in meta_model(model_config).named_parameters()]
 

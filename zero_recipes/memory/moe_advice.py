@@ -16,7 +16,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from .. import moe, shipped
+from zero_recipes.config import shipped
+from zero_recipes.modeling import moe
 
 STAGES = ("zero1", "zero2", "zero3")
 EP_SIZES = (1, 2, 4, 8)
@@ -39,7 +40,8 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
     """Every (config, ep, checkpointing) cell's peak per GPU, and the first that fits (None when none does)."""
     import torch
 
-    from ..ds_facts import precision
+    from zero_recipes.ds.facts import precision
+
     from .activations import activation_bytes
     from .estimate import Launch, estimate
     from .shape import ModelShape

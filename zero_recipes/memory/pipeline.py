@@ -79,8 +79,8 @@ def pipeline_block(ds: dict, world: int) -> dict:
     """The resolved `pipeline` block, as pipeline_parallel.PipelineParallel.configure completes it."""
     import copy
 
-    from ..mesh import Mesh
-    from ..pipeline_parallel import PipelineParallel
+    from zero_recipes.parallel.mesh import Mesh
+    from zero_recipes.parallel.pipeline.axis import PipelineParallel
 
     tried = copy.deepcopy({"pipeline": ds.get("pipeline") or {}})
     PipelineParallel(Mesh.of(world, ds)).configure(tried)
@@ -143,8 +143,8 @@ def stage_row(stage: Stage, table: dict) -> dict:
 
 def split(model_config, stages: int, partition: str, micro_batches: int) -> list[Stage]:
     """The stages DeepSpeed makes of this model: each one's layers, parameters and forwards in flight."""
-    from ..model import meta_model
-    from ..pipeline_model import pipeline_layers, stage_boundaries
+    from zero_recipes.modeling.model import meta_model
+    from zero_recipes.parallel.pipeline.layers import pipeline_layers, stage_boundaries
 
     layers = pipeline_layers(meta_model(model_config))
     parts = stage_boundaries(layers, stages, partition)

@@ -39,7 +39,8 @@ def _trace_stage(model_config, stage: Stage, blocks: int, stages: int, runs: int
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from ..pipeline_model import StepLoss, pipeline_layers
+    from zero_recipes.parallel.pipeline.layers import StepLoss, pipeline_layers
+
     from .activations import _eager_masks, _with_layers
 
     attn = launch.attn_implementation
@@ -49,11 +50,11 @@ def _trace_stage(model_config, stage: Stage, blocks: int, stages: int, runs: int
         model = AutoModelForCausalLM.from_config(_with_layers(model_config, max(blocks, 1)), dtype=dtype,
                                                  attn_implementation=attn)  # fmt: skip
         if launch.gradient_checkpointing:
-            from ..model import enable_checkpointing
+            from zero_recipes.modeling.model import enable_checkpointing
 
             enable_checkpointing(model)
         if launch.tiled_mlp:  # train.py installs it under a pipeline too (lm_loss.install_for_run)
-            from ..lm_loss import install_tiled_mlp
+            from zero_recipes.modeling.lm_loss import install_tiled_mlp
 
             install_tiled_mlp(model, zero3=False)
         model.train()

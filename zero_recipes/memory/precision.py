@@ -20,7 +20,7 @@ def statement(precision: str, assumed: bool, files: list[str], model_config) -> 
     """One line: the precision the estimate used and what set it (the last --deepspeed file whose bf16/fp16
     block says so, else the recipe), or that fp32 was `assumed` (`assumed_fp32`); when the model's own torch_dtype differs from an
     assumed fp32, that too, since it is the likeliest reason to expect otherwise."""
-    from ..ds_config import load_fragments
+    from zero_recipes.ds.intake import load_fragments
 
     if assumed:
         stored = str(getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", "") or "")

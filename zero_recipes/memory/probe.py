@@ -5,8 +5,8 @@ probe the memory estimate is checked against.
         --model_config '{"hidden_size": 256, ...}' --per_device_train_batch_size 2 --block_size 256 \
         --probe_out /tmp/probe.json
 
-It takes train.py's flags and builds the model and engine with the same code (zero_recipes.model,
-zero_recipes.lora, zero_recipes.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
+It takes train.py's flags and builds the model and engine with the same code (zero_recipes.modeling.model,
+zero_recipes.adapters.lora, zero_recipes.training.engine, the same resolved DeepSpeed config), then runs a few steps on random tokens under
 torch.profiler with profile_memory. Each allocation and free of the CPU allocator on a profiled thread is
 an event carrying the allocator's global count of live bytes, which, with `count_every_thread`, includes every
 thread's allocations and frees (gloo's worker threads free its collectives' copies): exact for torch tensors
@@ -34,10 +34,12 @@ import os
 import sys
 from pathlib import Path
 
-from zero_recipes import distributed, lm_loss, lora, model as modeling
-from zero_recipes.engine import make_engine
+from zero_recipes.adapters import lora
+from zero_recipes.config.plan import RunPlan
+from zero_recipes.distributed import process as distributed
 from zero_recipes.errors import ConfigError
-from zero_recipes.plan import RunPlan
+from zero_recipes.modeling import lm_loss, model as modeling
+from zero_recipes.training.engine import make_engine
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 STEPS = 3  # the optimizer states appear at step 1; steps 2-3 show the steady state

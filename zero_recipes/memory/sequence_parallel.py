@@ -1,6 +1,6 @@
 """What Ulysses sequence parallelism (DeepSpeed 0.19.8's ALST, `"sequence_parallel_size": N`) leaves on one rank.
 
-The N ranks of a group hold the same rows, each its s/N slice of every sequence (zero_recipes/sequence_parallel.py
+The N ranks of a group hold the same rows, each its s/N slice of every sequence (zero_recipes/parallel/sequence_parallel.py
 `shard`), so everything a decoder layer keeps outside attention is that of s/N tokens: embeddings, norms, the
 projections' inputs and outputs, the MLP, and the loss region of the local tokens. Inside attention DeepSpeed's
 all-to-all (runtime/sequence_parallel/ulysses_sp.py `UlyssesSPAttentionHF`) trades the sequence split for a head

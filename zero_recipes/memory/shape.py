@@ -33,13 +33,13 @@ class ModelShape:
     @classmethod
     def of(cls, config, lora=None, load_in_4bit: bool = False, tp: int = 1, tp_block=None) -> "ModelShape":
         """Built on the meta device from the config alone: no weights read, no memory. With `lora` (a peft
-        LoraConfig, zero_recipes.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
+        LoraConfig, zero_recipes.adapters.lora.lora_config), wrapped by peft's own `get_peft_model` as train.py wraps it,
         so the adapters' count is peft's, for any architecture and target list. With `tp` > 1, one rank's
         share under AutoTP, split by DeepSpeed's own reading of the model's TP plan (tensor_parallel.split)."""
         import copy
 
-        from ..lora import quantized_linears, trainable_count
-        from ..model import meta_model, num_params
+        from zero_recipes.adapters.lora import quantized_linears, trainable_count
+        from zero_recipes.modeling.model import meta_model, num_params
 
         model = meta_model(config)
         if tp > 1:

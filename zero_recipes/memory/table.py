@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import shipped
-from ..ds_facts import precision as ds_precision
+from zero_recipes.config import shipped
+from zero_recipes.ds.facts import precision as ds_precision
+
 from .longest import LONGEST_GPUS, longest_rows
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -70,8 +71,8 @@ def gpu_counts(num_gpus: int | None, table_gpus: tuple | str | None) -> tuple[tu
 
 
 def lora_of(cfg):
-    """The run's peft LoraConfig (zero_recipes.lora.lora_config, as train.py wraps the model), or None."""
-    from .. import lora, lora_options
+    """The run's peft LoraConfig (zero_recipes.adapters.lora.lora_config, as train.py wraps the model), or None."""
+    from zero_recipes.adapters import lora, lora_options
 
     return lora.lora_config(cfg) if lora_options.enabled(cfg) else None
 
@@ -109,9 +110,10 @@ def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tupl
     """Full fine-tuning under each TP size that divides one of `counts` (a TP group within a node) and this model
     can be split by (train.py's own check, tensor_parallel.py `check_split`: a TP plan, heads divisible; LoRA
     does not combine with TP); the sizes it cannot take are a note."""
+    from zero_recipes.parallel.mesh import Mesh
+    from zero_recipes.parallel.tensor_parallel import TensorParallel
+
     from ..errors import ConfigError
-    from ..mesh import Mesh
-    from ..tensor_parallel import TensorParallel
 
     if cfg.lora_r:
         return []
@@ -136,9 +138,10 @@ def pp_variants(cfg, config, ds: dict, precision: str, notes: list, worlds: tupl
     that train.py would split this model into (pipeline_parallel.py's own check: a family it splits, at most one
     stage per decoder layer; LoRA does not combine with a pipeline); the counts it cannot take are a note. Each
     stage's activations traced once per checkpointing choice at micro-batch 1 (the cells scale them)."""
+    from zero_recipes.parallel.mesh import Mesh
+    from zero_recipes.parallel.pipeline.axis import PipelineParallel
+
     from ..errors import ConfigError
-    from ..mesh import Mesh
-    from ..pipeline_parallel import PipelineParallel
     from . import pipeline
     from .estimate import Launch
     from .pipeline_trace import all_stages

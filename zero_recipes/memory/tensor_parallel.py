@@ -35,8 +35,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from zero_recipes.modeling.model import num_params
+
 from ..errors import ConfigError
-from ..model import num_params
 
 
 @dataclass
