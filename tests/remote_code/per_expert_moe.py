@@ -1,7 +1,7 @@
 """A mixture of experts written as remote-code checkpoints write them (DeepSeek-V2's hub code, older Mixtral
 ports): every expert its own module in an `nn.ModuleList`, and only the experts that received tokens run. Under
 ZeRO-3 a rank whose tokens skip an expert then skips that expert's gather, and the ranks deadlock
-(DeepSpeed#5066), unless the block is a ZeRO-3 leaf. tests/integration/test_moe.py saves it with its code
+(DeepSpeed#5066), unless the block is a ZeRO-3 leaf. tests/integration/parallel/test_moe.py saves it with its code
 (`trust_remote_code`) under model_type "deepseek_v2", as the hub checkpoint is."""
 
 from __future__ import annotations
