@@ -70,3 +70,19 @@ def test_bf16_export_and_broken_checkpoints(trained, tmp_path):
     proc = export(broken, tmp_path / "y")
     assert proc.returncode == 2 and "names 'step-99', which is missing" in proc.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()  # nothing written on failure
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_checkpoints_name_no_module_of_this_package_so_a_moved_module_never_breaks_a_resume(name, trained):
+    """A checkpoint written before a module moved (issue 49 moved them all into subpackages) must still resume and
+    export: torch.load unpickles a class by its module path, so no pickle in a checkpoint may name zero_recipes.
+    Every .pt file's pickle (rank states, model and optimizer states, client state) is read for the name."""
+    import zipfile
+
+    run = trained(name, "fp32").check()
+    files = sorted((run.output_dir / "checkpoints").rglob("*.pt"))
+    assert len(files) >= 6, files  # both ranks' rng/data states and DeepSpeed's states, at steps 4 and 8
+    for path in files:
+        with zipfile.ZipFile(path) as archive:
+            pickled = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+        assert b"zero_recipes" not in pickled, f"{path} pickles an object of zero_recipes"
