@@ -13,7 +13,7 @@ ranks, every allocation of the CPU allocator recorded per phase. Three launches,
 
 The bound: each rank's peak (the figure the estimate reports, the larger of forward/backward and the step) within
 the estimator's band (+10 % / -5 % less one low-precision copy of the rank's parameters, as
-test_memory_pipeline.py allows). Measured (docs/memory.md "Mixture of experts"): within +5.1 % / -2.4 %, the same
+test_memory_pipeline.py allows). Measured (docs/dev/memory-derivations.md "Mixture of experts"): within +5.1 % / -2.4 %, the same
 bytes every launch (the probe counts gloo's threads' frees). ZeRO-2 runs
 with a 2M-element reduce bucket, so the model, not the 200 MB bucket of ds_configs/zero2.json, sets the peak. The
 estimate's arithmetic is tests/unit/memory/test_moe_arithmetic.py's."""
