@@ -6,7 +6,7 @@ PP2 on 2 ranks is one pipeline with 4 x 2 micro-batches, PP2 x DP2 on 4 ranks tw
 data order hands out the same rows per step either way, and gradient clipping is on (DeepSpeed's default 1.0),
 so the per-step fp32 losses and grad norms must be ZeRO-0's: only the summation order differs (measured
 within 5e-7 over 8 steps). The grad norm is the check on DeepSpeed's ZeRO-0 clipping under PP, which counts
-the first stage's gradients alone (docs/parallelism.md#clipping): uncorrected it is 24-77 % of the true norm
+the first stage's gradients alone (docs/dev/deepspeed-bugs.md#clipping): uncorrected it is 24-77 % of the true norm
 here, and the losses drift from ZeRO-0's by 4.6e-3 by step 7.
 """
 

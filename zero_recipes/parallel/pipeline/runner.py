@@ -8,7 +8,7 @@ Two things DeepSpeed does differently from every other runner here, and what thi
 * **The loss.** `train_batch` averages the per-micro-batch losses (a mean of means). SFT micro-batches hold
   different numbers of label tokens, so the step is normalised here by all of them, over every replica, as
   HF's `num_items_in_batch` does (pipeline_model.StepLoss).
-* **Gradient clipping at ZeRO-0** (DeepSpeed 0.19.8, a bug: docs/parallelism.md#clipping). The engine's
+* **Gradient clipping at ZeRO-0** (DeepSpeed 0.19.8, a bug: docs/dev/deepspeed-bugs.md#clipping). The engine's
   `clip_fp32_gradients` calls `runtime.utils.clip_grad_norm_(mpu=grid)`, which counts only the gradients of
   ranks whose model-parallel rank is 0, and for the pipeline grid that rank is the stage index: the norm is
   the first stage's alone, and every stage's gradients are scaled by it. Here the engine's method is replaced
