@@ -1,0 +1,1 @@
+"""Evaluation: lm-evaluation-harness on an export or the live model, the shipped offline tasks, answers side by side."""

@@ -1,7 +1,7 @@
 """The interface of a parallel axis, and a run's axes together.
 
-Each axis (tensor_parallel.py, sequence_parallel.py, pipeline_parallel.py; expert next) is one class in its own module
-with these hooks, in the order a run calls them. A hook an axis does not need keeps the default here, so
+Each axis (tensor_parallel.py, sequence_parallel.py, pipeline/axis.py, expert_parallel.py) is one class in its own
+module with these hooks, in the order a run calls them. A hook an axis does not need keeps the default here, so
 adding an axis is its module plus one line in modes.AXES: nothing else asks which axes a run has.
 
     adopt(ds)                 config intake, every axis, before the mesh exists: another project's spelling

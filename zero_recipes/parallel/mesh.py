@@ -6,16 +6,16 @@ what DeepSpeed averages gradients over and what a metric counts once per group.
     world = data-parallel x sequence-parallel      rank = dp_rank * sp + sp_rank
     world = pipeline stages x data-parallel        rank = stage * dp + dp_rank
 
-The model-parallel axes (tensor, sequence; pipeline and expert next) sit innermost, as DeepSpeed lays them
-out: its (data, tensor) mesh puts the tensor dimension innermost (`utils/groups._init_tp_mesh_device`) and
-parallel_state_sp makes an SP group of consecutive ranks. So a group is `group` consecutive ranks, on one node
+The model-parallel axes (tensor, sequence) sit innermost, as DeepSpeed lays them out: its (data, tensor) mesh
+puts the tensor dimension innermost (`utils/groups._init_tp_mesh_device`) and parallel_state_sp makes an SP group of consecutive ranks. So a group is `group` consecutive ranks, on one node
 when it divides the GPUs per node, which is where its all-reduces and all-to-alls belong (NVLink, not the
 network). Every rank of a group feeds the same rows, so the data order, eval and every count are sharded by
 data-parallel rank. Pipeline stages sit outermost, as DeepSpeed's PipeDataParallelTopology lays them out
 (axes ['pipe', 'data']): a stage's replicas are consecutive ranks, so its gradient all-reduce stays on a node
 and only the activations between stages cross nodes, the traffic a pipeline is for. What each axis does with
-its group is its own module's (tensor_parallel.py, sequence_parallel.py, pipeline_parallel.py); which axes and
-modes combine is combinations.py's table.
+its group is its own module's (tensor_parallel.py, sequence_parallel.py, pipeline/axis.py); which axes and
+modes combine is combinations.py's table. Expert parallelism is no group that shares rows: every rank trains its
+own, and only the experts are split over `ep` ranks (`expert_shards`; expert_parallel.py).
 """
 
 from __future__ import annotations
