@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 
 # torch._dynamo and transformers' model code must be imported before any zero.Init (measured: importing
 # them inside it breaks); model.causal_lm_class() imports the model code itself.
@@ -34,7 +35,9 @@ from zero_recipes.checkpointing import checkpoint, resume as resuming, run_dir, 
 from zero_recipes.checkpointing.export import partitioned, verify_export
 from zero_recipes.config.cli import help_text
 from zero_recipes.config.plan import RunPlan
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
+from zero_recipes.distributed.lost_peer import lost_peer
+from zero_recipes.distributed.preemption import StopRequest
 from zero_recipes.ds import checks as ds_checks, jit_ops
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import in_training
@@ -49,6 +52,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
 
 
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What check_inputs found before any process group starts (and what --dry_run reports of it)."""
+
+    report_to: list  # the trackers metrics.jsonl also reports to (metrics.report_targets)
+    resume_request: str | None  # run_dir.check_output_dir's decision: "auto", a checkpoint path, or None
+    live_tasks: list  # the lm-eval tasks to run at each evaluation (in_training.check)
+    sampled: list  # a line per dataset sampled (under --dry_run)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The tokenizer and the data as this rank reads them."""
+
+    tokenizer: object
+    prepared: object  # data.Prepared, or a stream's: eval rows, pad id, whether labels are SFT-masked
+    order: object  # data.BatchOrder over this rank's rows, or the stream itself (next_batch, per_rank)
+
+
 def main(argv: list[str], instrument=None) -> int:
     """One run. The modes (parallel axes, adapter, runner) are picked in the plan and the set-up; nothing
     below asks which one this run has. `instrument`: a benchmark's hook, given the assembled loop.Loop before
@@ -58,94 +80,78 @@ def main(argv: list[str], instrument=None) -> int:
         print(help_text())
         return 0
     plan = RunPlan.from_args(argv)
-    rank = distributed.rank_info()[0]
+    rank = launcher_env.rank_info().rank
     log = print if rank == 0 else (lambda *a, **k: None)
     if plan.cfg.dry_run:
         return dry_run(plan, log)
-    report_to, resume_request, live_tasks, stop = start_processes(plan, log)
-    tokenizer, prepared, order = load_data(plan, rank, log)
-    plan = plan.complete(plan.steps_to_train(order.per_rank), tokenizer)  # zero.Init reads the filled config
+    inputs = check_before_start(plan)
+    stop = start_processes(plan, log)
+    run_data = load_data(plan, rank, log)
+    # the step count, known once the data is, completes the config that zero.Init reads
+    plan = plan.complete(plan.steps_to_train(run_data.order.per_rank), run_data.tokenizer)
     run_dir.start_run(plan, rank)
     warn_if_too_big(plan, rank, log)
     model = build_model(plan, rank, log)
 
     # ---- resume --------------------------------------------------------------------------------------
-    resume = resuming.plan_resume(resume_request, plan, rank, log)
+    resume = resuming.plan_resume(inputs.resume_request, plan, rank, log)
     engine = start_engine(plan, model, resume.engine_config(plan.ds) if resume else plan.ds, log)
-    step = resuming.restore(engine, resume, order, plan, rank, log) if resume else 0
+    step = resuming.restore(engine, resume, run_data.order, plan, rank, log) if resume else 0
 
     # ---- fit -----------------------------------------------------------------------------------------
-    log_file = metrics.MetricsLog(
-        plan.output_dir / "metrics.jsonl",
-        rank == 0,
-        resumed_at=step if resume else None,
-        report_to=report_to,
-        run_name=plan.cfg.run_name,
-        config=plan.signature,
-    )
-    checkpointer = checkpoint.Checkpointer(
-        plan.output_dir,
-        rank,
-        plan.cfg.save_total_limit,
-        plan.adapter.files_writer(engine, tokenizer),
-        plan.mesh.layout(),
-    )
-    runner = plan.parallelism.runner(engine, plan, rank, prepared.sft)
-    live_eval = (
-        in_training.LiveEval(plan, live_tasks, tokenizer, prepared, rank, log)
-        if live_tasks or plan.cfg.eval_samples
-        else None
-    )
-    run = loop.Loop(engine, runner, plan, order, prepared, log_file, checkpointer, stop, rank, log, live_eval)
+    run = assemble_loop(plan, engine, run_data, inputs, stop, rank, log, resumed_at=step if resume else None)
     outcome = loop.fit(instrument(run) if instrument else run, step)
     if not outcome.finished:
-        log_file.close()
+        run.log_file.close()
         return outcome.exit_code
 
     # ---- export: output_dir itself becomes a complete HF model (or PEFT adapter) directory -------------
     with run_dir.recording(plan.output_dir, rank):  # what the export writes is this run's (run_files.json)
-        plan.adapter.export(engine, tokenizer, plan.output_dir, rank, DTYPES[plan.precision], log)
+        plan.adapter.export(engine, run_data.tokenizer, plan.output_dir, rank, DTYPES[plan.precision], log)
     if plan.cfg.verify_export:
-        diff = check_export(engine, runner, plan, prepared, order, rank)
+        diff = check_export(engine, run.runner, plan, run_data, rank)
         if rank == 0:
             log(f"export check: max |logits(reloaded) - logits(engine)| = {diff:.3g}")
-            log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
-    log_file.close()
+            run.log_file.write({"step": outcome.step, "export_max_abs_logit_diff": diff})
+    run.log_file.close()
     return 0
 
 
-def start_processes(plan: RunPlan, log):
-    """The checks that need the machine, the inputs, the DeepSpeed ops, then the process group. Returns the
-    trackers, the resume request and the live eval's tasks (check_inputs), and the preemption signal's catcher."""
-    if problems := ds_checks.machine_problems(plan.ds, plan.cfg.tf32):  # kernels, NVMe: before any rank waits
+def check_before_start(plan: RunPlan) -> CheckedInputs:
+    """The checks that need the machine, then the inputs: refused here, before any rank waits on another."""
+    if problems := ds_checks.machine_problems(plan.ds, plan.cfg.tf32):  # kernels, NVMe
         raise ConfigError("; ".join(problems))
     if plan.cfg.tf32 is not None:  # what the HF Trainer's --tf32 sets (transformers' enable_tf32, torch >= 2.9)
         torch.backends.fp32_precision = "tf32" if plan.cfg.tf32 else "ieee"
-    report_to, resume_request, live_tasks, _ = check_inputs(plan)
+    return check_inputs(plan)
+
+
+def start_processes(plan: RunPlan, log) -> StopRequest:
+    """The DeepSpeed ops, then the process group and the axes' groups. Returns the preemption signal's catcher."""
     jit_ops.prepare(plan.ds)  # after the refusals, before any rank loads (and could wait forever on) a DeepSpeed op
-    threads = distributed.set_threads(distributed.rank_info()[3])
-    distributed.init(plan.cfg.ddp_timeout)
-    distributed.quiet_deepspeed()
-    stop = distributed.StopRequest()
+    threads = launcher_env.set_threads(launcher_env.rank_info().local_world_size)
+    process_group.init(plan.cfg.ddp_timeout)
+    deepspeed_logs.quiet_deepspeed()
+    stop = StopRequest()
     for note in plan.notes:
         log(f"config: {note}")
     log(f"distributed: {plan.mesh.describe()}, backend {torch.distributed.get_backend()}, {threads} thread(s) per rank")
     plan.parallelism.before_build(plan.cfg, plan.model_config, log)  # collective: Ulysses' attention, its groups
-    return report_to, resume_request, live_tasks, stop
+    return stop
 
 
-def load_data(plan: RunPlan, rank: int, log):
+def load_data(plan: RunPlan, rank: int, log) -> RunData:
     """The tokenizer and the data, built by rank 0 while the others wait, then read by everyone. The rows are
     sharded by data-parallel rank: the ranks of a tensor- or sequence-parallel group train on the same batch."""
     cfg, mesh = plan.cfg, plan.mesh
-    tokenizer = distributed.rank0_first(rank, in_cache(cfg, lambda: data.load_tokenizer(cfg)))
+    tokenizer = process_group.rank0_first(rank, in_cache(cfg, lambda: data.load_tokenizer(cfg)))
     dp_rank, dp = mesh.dp_rank(rank), mesh.dp
     if cfg.streaming:
         prepared = in_cache(cfg, lambda: data.prepare_stream(cfg, tokenizer, dp_rank, dp, log))()
-        return tokenizer, prepared, prepared.train
-    prepared = distributed.rank0_first(rank, in_cache(cfg, lambda: data.prepare(cfg, tokenizer, log)))
+        return RunData(tokenizer, prepared, order=prepared.train)
+    prepared = process_group.rank0_first(rank, in_cache(cfg, lambda: data.prepare(cfg, tokenizer, log)))
     order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
-    return tokenizer, prepared, order
+    return RunData(tokenizer, prepared, order)
 
 
 def in_cache(cfg, fn):
@@ -159,11 +165,10 @@ def in_cache(cfg, fn):
     return run
 
 
-def check_inputs(plan: RunPlan):
+def check_inputs(plan: RunPlan) -> CheckedInputs:
     """What needs no process group, checked before one starts (and by --dry_run): the trackers installed, every
     dataset found (under --dry_run a sample of its rows read and checked against the format), output_dir and
-    the resume rules, the live eval's tasks. Returns (trackers, resume request, the lm-eval tasks to run at each
-    evaluation, a line per dataset sampled)."""
+    the resume rules, the live eval's tasks."""
     cfg = plan.cfg
     report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
     sampled = data.check(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
@@ -172,7 +177,7 @@ def check_inputs(plan: RunPlan):
     )
     resuming.check_resume_layout(resume_request, plan)
     live_tasks = in_training.check(plan)  # --eval_tasks / --eval_samples: refused here, names checked here
-    return report_to, resume_request, live_tasks, sampled
+    return CheckedInputs(report_to, resume_request, live_tasks, sampled)
 
 
 def build_model(plan: RunPlan, rank: int, log):
@@ -214,6 +219,46 @@ def start_engine(plan: RunPlan, model, ds: dict, log):
     return engine
 
 
+def assemble_loop(
+    plan: RunPlan, engine, run_data: RunData, inputs: CheckedInputs, stop: StopRequest, rank: int, log, resumed_at
+) -> loop.Loop:
+    """The fit's parts: metrics.jsonl (and the trackers), the checkpointer, the runner of a step, the live eval."""
+    log_file = metrics.MetricsLog(
+        plan.output_dir / "metrics.jsonl",
+        rank == 0,
+        resumed_at=resumed_at,
+        report_to=inputs.report_to,
+        run_name=plan.cfg.run_name,
+        config=plan.signature,
+    )
+    checkpointer = checkpoint.Checkpointer(
+        plan.output_dir,
+        rank,
+        plan.cfg.save_total_limit,
+        plan.adapter.files_writer(engine, run_data.tokenizer),
+        plan.mesh.layout(),
+    )
+    runner = plan.parallelism.runner(engine, plan, rank, run_data.prepared.sft)
+    live_eval = (
+        in_training.LiveEval(plan, inputs.live_tasks, run_data.tokenizer, run_data.prepared, rank, log)
+        if inputs.live_tasks or plan.cfg.eval_samples
+        else None
+    )
+    return loop.Loop(
+        engine=engine,
+        runner=runner,
+        plan=plan,
+        order=run_data.order,
+        prepared=run_data.prepared,
+        log_file=log_file,
+        checkpointer=checkpointer,
+        stop=stop,
+        rank=rank,
+        log=log,
+        live_eval=live_eval,
+    )
+
+
 def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
     """On a GPU, warn before an OOM, with what would fit."""
     if not torch.cuda.is_available() or rank != 0:
@@ -232,10 +277,10 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
         )
 
 
-def check_export(engine, runner, plan: RunPlan, prepared, order, rank: int):
+def check_export(engine, runner, plan: RunPlan, run_data: RunData, rank: int):
     """Reload the export on rank 0 as a user would and compare its logits with the engine's on one probe row."""
-    rows = prepared.probe_rows
-    probe = data.collate([rows.row(0)], prepared.pad_id) if rows is not None else order.next_batch()
+    rows = run_data.prepared.probe_rows
+    probe = data.collate([rows.row(0)], run_data.prepared.pad_id) if rows is not None else run_data.order.next_batch()
     probe = probe["input_ids"][:1, :64].to(engine.device)
     dtype = DTYPES[plan.precision]
     return verify_export(engine, probe, rank, lambda: plan.adapter.reload(plan.output_dir, dtype), runner.logits)
@@ -245,7 +290,7 @@ def dry_run(plan: RunPlan, log) -> int:
     """Everything a launch would check before its process group starts (the plan, the model config and its
     attention, the data, output_dir and resume rules), then what it would run and its memory estimate."""
     cfg, model_config = plan.cfg, plan.model_config
-    _, resume_request, _, sampled = check_inputs(plan)
+    inputs = check_inputs(plan)
     n = modeling.count_params_meta(model_config)
     tokens = plan.global_batch * cfg.block_size
     ds, notes = plan.ds, list(plan.notes)
@@ -259,9 +304,9 @@ def dry_run(plan: RunPlan, log) -> int:
         log(f"note: {note}")
     for problem in ds_checks.machine_problems(ds, cfg.tf32):
         log(f"warning: this machine cannot train it: {problem}")
-    for line in sampled:
+    for line in inputs.sampled:
         log(f"data: {line}")
-    log(f"output: {plan.output_dir}: {output_plan(plan.output_dir, cfg, resume_request)}")
+    log(f"output: {plan.output_dir}: {output_plan(plan.output_dir, cfg, inputs.resume_request)}")
     steps = (
         str(cfg.max_steps)
         if cfg.max_steps > 0
@@ -274,7 +319,7 @@ def dry_run(plan: RunPlan, log) -> int:
         f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )
     if plan.mesh.group > 1:
-        local = distributed.rank_info()[3]
+        local = launcher_env.rank_info().local_world_size
         nodes = local if plan.world > local > 1 else None
         axis = next(name for name, n in plan.mesh.sizes.items() if n > 1)
         log(
@@ -300,7 +345,7 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except ConfigError as e:
-        code = distributed.report_refusal(e)
+        code = process_group.report_refusal(e)
     except KeyboardInterrupt:
         code = 130
     except BaseException as e:
@@ -312,7 +357,7 @@ if __name__ == "__main__":
                     file=sys.stderr,
                     flush=True,
                 )
-        elif line := distributed.lost_peer(e):  # every surviving rank says it: each node's log shows the cause
+        elif line := lost_peer(e):  # every surviving rank says it: each node's log shows the cause
             print(f"\nerror: {line}", file=sys.stderr, flush=True)  # \n: after tqdm's bar
         else:
             import traceback
@@ -320,4 +365,4 @@ if __name__ == "__main__":
             traceback.print_exc()
         code = 1
     metrics.close_open_logs()
-    distributed.finish(code)
+    process_group.finish(code)

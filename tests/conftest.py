@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     """Every process a test launches loads tests/inject/sitecustomize.py (faults on request, port ranges).
     Under pytest-xdist each worker picks ports from its own slice of PORTS, so parallel launches never collide
-    (distributed.free_port). With more cores than 2 per worker, each worker is pinned to its own cores (what it
+    (distributed/ports.py). With more cores than 2 per worker, each worker is pinned to its own cores (what it
     launches inherits them), so train.py gives each rank the same thread count as on a 2-core host and the
     workers' ranks do not compete."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))

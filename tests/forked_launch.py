@@ -60,7 +60,7 @@ AGENT_KEYS = (
 
 
 class _Exit(BaseException):
-    """train.py's last act, distributed.finish's os._exit(code), turned into a return value: a forked rank must
+    """train.py's last act, process_group.finish's os._exit(code), turned into a return value: a forked rank must
     return to torch's process wrapper, which hands the result to the agent before the process ends."""
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import forked_launch
 from zero_recipes.config import shipped
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed import ports
 from zero_recipes.memory.probe import fwd_bwd_peak_bytes  # noqa: F401 -- the estimate tests' real measurement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ INJECT = REPO / "tests" / "inject"  # sitecustomize.py for the processes tests l
 
 def free_port() -> int:
     """A port from this pytest worker's own range (conftest.py), as train.py and the benchmarks pick them here."""
-    return distributed.free_port(os.environ.get("ZERO_RECIPES_TEST_PORTS"))
+    return ports.free_port(os.environ.get("ZERO_RECIPES_TEST_PORTS"))
 
 
 # Small, fast settings shared by the training tests: the embedded model and corpus, 64-token blocks.
@@ -280,17 +280,17 @@ def away_from_outputs(args) -> list[str]:
 
 def refusal(*args: str, world: int = 1) -> str:
     """The one line train.py prints for ARGS as rank 0 of `world` ranks, found in this process. It must come
-    before any process group: reaching distributed.init fails the test rather than waiting for absent ranks."""
+    before any process group: reaching process_group.init fails the test rather than waiting for absent ranks."""
     import train
     from zero_recipes.config.train_config import ConfigError
-    from zero_recipes.distributed import process as dist
+    from zero_recipes.distributed import process_group
 
     args = tuple(away_from_outputs(args))
 
     def no_process_group(*_a, **_k):
         raise AssertionError(f"train.py {' '.join(args)} got as far as starting a process group")
 
-    init, dist.init = dist.init, no_process_group
+    init, process_group.init = process_group.init, no_process_group
     try:
         with as_rank0_of(world):
             train.main(list(args))
@@ -299,7 +299,7 @@ def refusal(*args: str, world: int = 1) -> str:
     else:
         raise AssertionError(f"train.py {' '.join(args)} was not refused")
     finally:
-        dist.init = init
+        process_group.init = init
     assert "\n" not in line, line  # one line, as the entry point prints it
     return line
 

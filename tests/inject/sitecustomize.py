@@ -140,13 +140,13 @@ if PROCESS_LOG:
 
     os.register_at_fork(after_in_child=_restart_clock)
 
-    def _log_and_exit(code):  # train.py leaves with os._exit (distributed.finish), which skips atexit
+    def _log_and_exit(code):  # train.py leaves with os._exit (process_group.finish), which skips atexit
         _log_process(_started)
         _exit(code)
 
     os._exit = _log_and_exit
 if PORTS:
-    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed.process", _patch_ports))
+    sys.meta_path.insert(0, _PatchOnImport("zero_recipes.distributed.ports", _patch_ports))
 if NAN_AT_STEP or KILL.startswith("in_save:"):
     sys.meta_path.insert(0, _PatchOnImport("deepspeed.runtime.engine", _patch_engine))
 if SLOW_PREPARE:

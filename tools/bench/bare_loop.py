@@ -16,7 +16,7 @@ from .workload import WindowClock, pop_flag, setup
 def main(argv: list[str]) -> int:
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.modeling import model as modeling
     from zero_recipes.training.engine import make_engine
     from zero_recipes.training.runner import EagerRunner
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         if w.rank == 0:
             Path(profile_out).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     clock.write("bare DeepSpeed loop")
-    distributed.finish(0)
+    process_group.finish(0)
     return 0
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zero_recipes.distributed.process import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
+from zero_recipes.distributed.ports import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
 from zero_recipes.training.metrics import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here

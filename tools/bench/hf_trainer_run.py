@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from zero_recipes import data
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.ds import facts as ds_facts
     from zero_recipes.modeling import model as modeling
 
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     trainer = InOrder(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Clock()])
     trainer.train()
     clock.write("HF Trainer")
-    distributed.finish(0)
+    process_group.finish(0)
     return 0
 
 

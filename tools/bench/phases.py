@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="phases")  # its imports and main()
     import torch
 
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.training import metrics
 
     mark_engine_calls()
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
 
     code = train["main"](argv, instrument=instrument)
     metrics.close_open_logs()
-    distributed.finish(code)
+    process_group.finish(code)
     return code
 
 

@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.training import metrics
 
     steps: list[dict] = []
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         result.update(peaks(prof), export_gather_peak_bytes=gather_peak(prof))
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")
     metrics.close_open_logs()
-    distributed.finish(code)  # as train.py ends: barrier, then os._exit
+    process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 
 

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     from zero_recipes import data
     from zero_recipes.config.plan import RunPlan
     from zero_recipes.data import formats
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
     from zero_recipes.ds import facts as ds_facts
     from zero_recipes.modeling import model as modeling
 
@@ -92,10 +92,11 @@ def main(argv: list[str]) -> int:
     argv, pc_file = pop_flag(argv, "--prompt_completion_file")
     plan = RunPlan.from_args(argv)  # train.py's own resolution of the same flags
     cfg = plan.cfg
-    rank, _local, _world, local_world = distributed.rank_info()
-    distributed.set_threads(local_world)
-    distributed.init()
-    distributed.quiet_deepspeed()
+    ranks = launcher_env.rank_info()
+    rank = ranks.rank
+    launcher_env.set_threads(ranks.local_world_size)
+    process_group.init()
+    deepspeed_logs.quiet_deepspeed()
     tok = data.load_tokenizer(cfg)
     formats.ensure_chat_template(tok, lambda *a: None)  # the template train.py gives this tokenizer
     if tok.pad_token is None:
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> int:
     trainer = trl_trainer(model, tok, cfg, targs, pc_file) if peer == "trl" else hf_trainer(model, tok, cfg, targs)
     trainer.train()
     probe.finish(model, rank, out, eval_file, tok, cfg.block_size)
-    distributed.finish(0)
+    process_group.finish(0)
     return 0
 
 

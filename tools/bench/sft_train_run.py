@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
 
     from zero_recipes import data
     from zero_recipes.data import formats
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.training import metrics
 
     probe, seen = StepProbe(), {}
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         formats.ensure_chat_template(tok, lambda *a, **k: None)
     probe.finish(seen["model"], rank, out, eval_file, tok, cfg.block_size)
     metrics.close_open_logs()
-    distributed.finish(code)  # as train.py ends: barrier, then os._exit
+    process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 
 

@@ -9,16 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed import launcher_env, preemption, process_group
 
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
     out, calls = Path(args[0]), int(args[1])
-    rank, _, _, local_world = distributed.rank_info()
-    distributed.set_threads(local_world)
-    distributed.init()
-    stop = distributed.StopRequest()
+    ranks = launcher_env.rank_info()
+    rank = ranks.rank
+    launcher_env.set_threads(ranks.local_world_size)
+    process_group.init()
+    stop = preemption.StopRequest()
     seconds = []
     for _ in range(calls):
         t = time.perf_counter()
@@ -26,7 +27,7 @@ def main() -> None:
         seconds.append(time.perf_counter() - t)
     if rank == 0:
         out.write_text(json.dumps({"median_seconds": statistics.median(seconds[calls // 10 :]), "calls": calls}))
-    distributed.finish(0)
+    process_group.finish(0)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def without_checkpoints(run):
 
 def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="unsaved_train")  # its imports and main()
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import process_group
     from zero_recipes.training import metrics
 
     try:
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         code = 1
     metrics.close_open_logs()
-    distributed.finish(code)  # as train.py ends: barrier, then os._exit
+    process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 
 

@@ -18,7 +18,7 @@ import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
 
 from zero_recipes import data
 from zero_recipes.config.plan import RunPlan
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
 
 
 @dataclass
@@ -52,10 +52,11 @@ def setup(argv: list[str]) -> Workload:
     argv, window = pop_flag(argv, "--window", "5")
     plan = RunPlan.from_args(argv)  # train.py's own resolution
     cfg = plan.cfg
-    rank, _local_rank, world, local_world = distributed.rank_info()
-    threads = distributed.set_threads(local_world)
-    distributed.init()
-    distributed.quiet_deepspeed()
+    ranks = launcher_env.rank_info()
+    rank, world = ranks.rank, ranks.world_size
+    threads = launcher_env.set_threads(ranks.local_world_size)
+    process_group.init()
+    deepspeed_logs.quiet_deepspeed()
     tokenizer = data.load_tokenizer(cfg)  # built by train.py's run before this one (A/B/C order)
     prepared = data.prepare(cfg, tokenizer, lambda *a, **k: None)  # a cache hit after train.py's run
     # as train.py: the rows are sharded by data-parallel rank (a TP or SP group's ranks train the same batch)

@@ -167,7 +167,7 @@ def verify_export(
     import torch
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from zero_recipes.distributed.process import host_group
+    from zero_recipes.distributed.process_group import host_group
 
     engine.eval()
     with torch.no_grad():

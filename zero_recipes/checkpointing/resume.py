@@ -86,7 +86,7 @@ def to_universal(where: tuple[Path, str], rank: int) -> tuple[Path, str]:
     a 70B conversion takes longer than --ddp_timeout)."""
     import torch
 
-    from zero_recipes.distributed.process import host_group
+    from zero_recipes.distributed.process_group import host_group
 
     error = [None]
     if rank == 0:

@@ -175,7 +175,7 @@ def agree(failure):
     the others may wait here while rank 0 writes a whole export."""
     import torch
 
-    from zero_recipes.distributed.process import host_group
+    from zero_recipes.distributed.process_group import host_group
 
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return failure

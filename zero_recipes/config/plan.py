@@ -22,7 +22,7 @@ from zero_recipes.adapters import lora_options
 from zero_recipes.config import hub, lr_defaults
 from zero_recipes.config.cli import parse_args
 from zero_recipes.config.train_config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed.launcher_env import rank_info
 from zero_recipes.ds import intake as ds_config
 from zero_recipes.ds.facts import precision, zero_stage
 from zero_recipes.errors import ConfigError
@@ -56,7 +56,7 @@ class RunPlan:
         cfg, explicit = parse_args(argv)
         raw = ds_config.load_fragments(cfg.deepspeed) if cfg.deepspeed else {}
         model_config, notes = hub.dry_run_model_config(cfg) if cfg.dry_run else (modeling.load_model_config(cfg), ())
-        world = distributed.rank_info()[2]
+        world = rank_info().world_size
         group = Mesh.of(1, raw)
         needed = max(group.group, group.ep)  # expert-parallel ranks are not a group sharing rows, but need ranks
         if cfg.dry_run and world == 1 and needed > 1:  # `python train.py --dry_run` on a login node

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_recipes.distributed.process import rank_info
+from zero_recipes.distributed.launcher_env import rank_info
 from zero_recipes.ds.facts import offloads
 from zero_recipes.errors import ConfigError
 
@@ -229,14 +229,14 @@ def await_settled(builders: list) -> None:
 
 def prepare(ds: dict) -> None:
     """train.py, before any process group: the ops this run loads, settled by local rank 0 of each machine."""
-    rank, local_rank, _, _ = rank_info()
+    ranks = rank_info()
     builders = jit_builders(needed(ds))
-    if local_rank != 0:
+    if ranks.local_rank != 0:
         return await_settled(builders)
     try:
         settle(builders, say=lambda line: print(line, flush=True))
     except ConfigError as e:
-        if rank != 0:  # train.py's entry point prints rank 0's error only; this machine's log must show its own
+        if ranks.rank != 0:  # train.py's entry point prints rank 0's error only; this machine's log must show its own
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise
 

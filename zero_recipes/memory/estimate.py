@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from . import moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
-from .states import PHASES, Setup, _bucket, adam_temporaries, phases
+from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, phases
 
 UNITS = {
     "": 1,
@@ -180,7 +180,7 @@ def estimate(
         activations = _traced(model_config, launch, p, lora, tp, shape, sp)
     in_loss = tiled_head_gradient(model_config, launch, sp, p, mesh.zero_shards, shape)
     if experts is not None:
-        cap = _bucket(zero, "stage3_max_live_parameters", 1e9) + _bucket(zero, "stage3_prefetch_bucket_size", 5e7)
+        cap = live_parameter_cap(zero)
         by_phase = moe_memory.adjust_phases(
             by_phase,
             experts,
@@ -406,9 +406,9 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
     try:
         from zero_recipes.adapters.lora import lora_config
         from zero_recipes.adapters.lora_options import enabled
-        from zero_recipes.distributed.process import rank_info
+        from zero_recipes.distributed.launcher_env import rank_info
 
-        per_node = min(world, rank_info()[3] or world)  # the launcher's ranks on this node: host memory is per node
+        per_node = min(world, rank_info().local_world_size or world)  # the launcher's ranks on this node: host memory is per node
         e = estimate(
             model_config,
             ds,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from zero_recipes.adapters import lora
 from zero_recipes.config.plan import RunPlan
-from zero_recipes.distributed import process as distributed
+from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
 from zero_recipes.errors import ConfigError
 from zero_recipes.modeling import lm_loss, model as modeling
 from zero_recipes.training.engine import make_engine
@@ -144,7 +144,7 @@ def fwd_bwd_peak_bytes(model, config, micro: int, seq: int, forward=None) -> int
     own buffers (the memory estimate counts those with the model states), but inside a tiled compute, where
     DeepSpeed leaves it in `param.grad` until the last tile. `forward(model, ids)` returns the
     loss (default: the model's own, with labels). The estimate tests and their child processes (a real AutoTP
-    rank, tests/unit/test_memory_tp.py) measure with this one function."""
+    rank, tests/unit/memory/test_tensor_parallel.py) measure with this one function."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -198,17 +198,17 @@ def main(argv: list[str]) -> int:
     import torch._dynamo  # noqa: F401 -- before zero.Init, as in train.py
 
     count_every_thread()
-    out = argv[argv.index("--probe_out") + 1]
-    argv = [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
+    out, argv = probe_out(argv)
     plan = RunPlan.from_args(argv + ["--max_steps", str(STEPS)]).complete(STEPS)  # as train.py resolves it
     cfg, ds, model_config = plan.cfg, plan.ds, plan.model_config
-    rank, _local_rank, world, local_world = distributed.rank_info()
-    distributed.set_threads(local_world)
+    ranks = launcher_env.rank_info()
+    rank, world = ranks.rank, ranks.world_size
+    launcher_env.set_threads(ranks.local_world_size)
     # No host group: the probe waits on no one rank's work, and the group's Python objects move the moment the
     # garbage collector frees DeepSpeed's flat gradient copy (measured: a ZeRO-0 pipeline stage's step peaked 22 MB
     # over the estimate's band in 2 of 8 launches with it, 0 of 15 without)
-    distributed.init(long_waits=False)
-    distributed.quiet_deepspeed()
+    process_group.init(long_waits=False)
+    deepspeed_logs.quiet_deepspeed()
     from transformers.integrations import HfDeepSpeedConfig
 
     modeling.causal_lm_class(model_config)
@@ -235,6 +235,23 @@ def main(argv: list[str]) -> int:
         routed = routed_counts(engine.module)
         steps = pipeline_steps if plan.mesh.pp > 1 else eager_steps
         steps(engine, plan, rank, batches, record_function)
+    mine = rank_report(prof, engine, plan, rank, routed)
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
+    process_group.finish(0)
+    return 0
+
+
+def probe_out(argv: list[str]) -> tuple[str, list[str]]:
+    """The --probe_out path, and train.py's flags without it."""
+    out = argv[argv.index("--probe_out") + 1]
+    return out, [a for i, a in enumerate(argv) if a != "--probe_out" and (i == 0 or argv[i - 1] != "--probe_out")]
+
+
+def rank_report(prof, engine, plan, rank: int, routed: list) -> dict:
+    """This rank's part of the probe's JSON: its phases' peaks (`timeline`), the model it held, the run's axes."""
     mine = timeline(prof)
     mine["routed_counts"] = routed
     mine["num_params"] = modeling.num_params(engine.module)
@@ -243,12 +260,7 @@ def main(argv: list[str]) -> int:
     mine["tensor_parallel"] = plan.mesh.tp
     mine["sequence_parallel"] = plan.mesh.sp
     mine["pipeline_parallel"], mine["stage"] = plan.mesh.pp, plan.mesh.stage(rank)
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, mine)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"ranks": gathered, "world": world, "ds_config": ds}, indent=1) + "\n")
-    distributed.finish(0)
-    return 0
+    return mine
 
 
 def routed_counts(module) -> list:
@@ -346,4 +358,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:  # as train.py
-        sys.exit(distributed.report_refusal(e))
+        sys.exit(process_group.report_refusal(e))

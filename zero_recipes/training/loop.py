@@ -21,7 +21,7 @@ from zero_recipes import data
 from zero_recipes.checkpointing.checkpoint import Checkpointer
 from zero_recipes.checkpointing.storage import StorageError
 from zero_recipes.config.plan import RunPlan
-from zero_recipes.distributed.process import StopRequest
+from zero_recipes.distributed.preemption import StopRequest
 from zero_recipes.training import metrics
 from zero_recipes.training.loss_rise import LossRiseWatch
 

@@ -146,9 +146,9 @@ def test_fp16_overflow_lines_survive_the_quiet_deepspeed_logger():
 
     from deepspeed.utils import logger
 
-    from zero_recipes.distributed import process as distributed
+    from zero_recipes.distributed import deepspeed_logs
 
-    distributed.quiet_deepspeed()
+    deepspeed_logs.quiet_deepspeed()
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())

@@ -33,7 +33,7 @@ import pytest
 )
 def test_lost_peer_line_names_what_gloo_and_nccl_said(raw, named):
     """Both shapes of gloo's peer-loss message seen from a killed node (CI met the second), and NCCL's."""
-    from zero_recipes.distributed.process import lost_peer
+    from zero_recipes.distributed.lost_peer import lost_peer
 
     line = lost_peer(RuntimeError(raw))
     assert line.startswith("rank ") and f"({named})" in line and "relaunch the same command" in line
@@ -44,7 +44,8 @@ def test_a_busy_rendezvous_port_is_named_not_reported_as_a_lost_peer(monkeypatch
     """What torch raises when another job holds the port (DistNetworkError, a DistError like a lost peer)."""
     import torch.distributed as dist
 
-    from zero_recipes.distributed.process import address_in_use, lost_peer
+    from zero_recipes.distributed.lost_peer import lost_peer
+    from zero_recipes.distributed.ports import address_in_use
 
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
     error = dist.DistNetworkError(

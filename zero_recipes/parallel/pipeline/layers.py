@@ -280,7 +280,7 @@ def _send_stage(tensors: dict) -> None:
     copied to the host one at a time (a CPU tensor as it is)."""
     import torch.distributed as dist
 
-    from zero_recipes.distributed.process import host_group
+    from zero_recipes.distributed.process_group import host_group
 
     group = host_group()
     dist.send_object_list([[(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]], dst=0, group=group)
@@ -292,7 +292,7 @@ def _receive_stage(src: int) -> dict:
     """On rank 0: what `_send_stage` sent from rank `src`, each tensor received into the CPU tensor kept."""
     import torch.distributed as dist
 
-    from zero_recipes.distributed.process import host_group
+    from zero_recipes.distributed.process_group import host_group
 
     group = host_group()
     meta = [None]
