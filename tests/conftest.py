@@ -14,7 +14,7 @@ from shared_runs import SharedRuns
 
 # Launch sizes: most launches run 2 ranks (some 4), so a worker needs about 2 cores for its launch to run at
 # the speed the tests were sized on. On 2 cores, 2 workers still win: one worker's launch spends seconds in
-# imports and start-up while the other's trains (measured: docs/tests.md).
+# imports and start-up while the other's trains (measured: docs/dev/test-suite.md).
 CORES_PER_WORKER = 2
 # Below the kernel's ephemeral ports (32768+), split between the workers. ZERO_RECIPES_TEST_PORT_RANGE="LO:HI"
 # gives a pytest invocation its own range, for two invocations at once on one machine.
@@ -72,7 +72,7 @@ def baseline_launcher(name: str, precision: str) -> str:
     """The quick start's run (ZeRO-3, fp32) under the `deepspeed` launcher, as the README gives it; the other
     baselines' subject is their config: torchrun's agent starts them as ranks forked from a preloaded
     forkserver, with the same bits and without each rank importing torch, transformers and DeepSpeed again
-    (docs/tests.md#launchers). Resume tests compare one launcher's runs with the other's, exactly."""
+    (docs/dev/test-suite.md#launchers). Resume tests compare one launcher's runs with the other's, exactly."""
     return "deepspeed" if (name, precision) == ("zero3", "fp32") else "forked"
 
 

@@ -3,13 +3,13 @@ the `torchrun` command runs) started in the pytest worker, whose ranks Python's 
 process that has already imported torch, TorchDynamo, transformers, datasets, peft and DeepSpeed.
 
 Why: the suite is launch-bound. A rank of a tiny 8-step run spends most of its CPU importing those packages
-(docs/tests.md#how-long-it-takes), and every launch paid it again in every rank and in the launcher. Here each
+(docs/dev/test-suite.md#how-long-it-takes), and every launch paid it again in every rank and in the launcher. Here each
 pytest-xdist worker pays it once; a rank starts at `train.py`'s own imports. What stays real: train.py's
 `__main__` block, DeepSpeed, the process group (the agent's TCPStore, gloo/shm), the rank environment torchrun
 sets, the run's files. What it does not check: a fresh interpreter's import order, nor the launcher's exit
 codes and signals. The runs that do (the quick start's baseline under the `deepspeed` launcher, faults, kills,
 refusals in the shell, the multi-node recipe, multi-node and Slurm, the torchrun-vs-deepspeed test) keep a
-real launcher; docs/tests.md#launchers lists which runs use which.
+real launcher; docs/dev/test-suite.md#launchers lists which runs use which.
 
 Test-only, like tests/inject/sitecustomize.py: nothing here is production code.
 """

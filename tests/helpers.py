@@ -98,9 +98,9 @@ def launch(
     timeout: int = 600,
     env: dict | None = None,
 ) -> Run:
-    """train.py ARGS --output_dir OUTPUT_DIR launched as docs/tests.md#launchers says. "deepspeed" (the default,
-    the README's launcher) runs the quick start's baseline, test_faults.py's faults, the multi-node recipe, the
-    benchmarks and the refusals that must reach the shell. "forked" runs those whose subject is a config
+    """train.py ARGS --output_dir OUTPUT_DIR launched as docs/dev/test-suite.md#launchers says. "deepspeed" (the
+    default, the README's launcher) runs the quick start's baseline, test_faults.py's faults, the multi-node recipe,
+    the benchmarks and the refusals that must reach the shell. "forked" runs those whose subject is a config
     or a mode: torchrun's agent in this process, ranks forked from a forkserver that has imported torch,
     transformers and DeepSpeed once per worker (tests/forked_launch.py), the same bits as the torchrun command.
     "torchrun" is the command itself, for runs whose faults or environment are read at interpreter start.
@@ -248,7 +248,7 @@ def train_as_world(world: int, *args):
 # A refusal that happens before any process group needs no launcher and no fresh interpreter: train.main
 # raises the ConfigError that train.py's entry point prints as its one `error:` line with exit 2. Each family
 # of refusals keeps one test through a real process or launcher that proves that last step in the shell
-# (docs/tests.md lists them); the rest call train.main here, a few ms instead of a 5-15 s launch each.
+# (docs/dev/test-suite.md lists them); the rest call train.main here, a few ms instead of a 5-15 s launch each.
 @contextmanager
 def as_rank0_of(world: int, local_world: int | None = None):
     """The environment a launcher gives rank 0 of `world` ranks (none for a world of one), restored after."""

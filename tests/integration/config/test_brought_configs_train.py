@@ -1,6 +1,6 @@
 """DeepSpeed JSONs in the shapes the HF docs, axolotl and LLaMA-Factory ship train unchanged: 2 steps on 2 CPU
 ranks, with their own key spellings (field names, "bfloat16", deprecated names). Under torchrun's agent with
-forked ranks (docs/tests.md#launchers): the subject is the config; the quick start's config trains under the
+forked ranks (docs/dev/test-suite.md#launchers): the subject is the config; the quick start's config trains under the
 deepspeed launcher in test_train_configs.py."""
 
 import json

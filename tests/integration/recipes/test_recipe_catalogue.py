@@ -31,7 +31,7 @@ from zero_recipes.config.shipped import (
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
 # config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
-# other 2-rank recipes forked under torchrun's agent, whose subject is the recipe: docs/tests.md#launchers).
+# other 2-rank recipes forked under torchrun's agent, whose subject is the recipe: docs/dev/test-suite.md#launchers).
 CATALOGUE = {
     "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
     "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
