@@ -74,7 +74,7 @@ class RunData:
 def main(argv: list[str], instrument=None) -> int:
     """One run. The modes (parallel axes, adapter, runner) are picked in the plan and the set-up; nothing
     below asks which one this run has. `instrument`: a benchmark's hook, given the assembled loop.Loop before
-    it runs, returning the Loop to run (tools/bench/profiled_train.py wraps its runner and checkpointer)."""
+    it runs, returning the Loop to run (tools/bench/runners/profiled_train.py wraps its runner and checkpointer)."""
     # ---- setup: the plan is resolved and the inputs checked before any process group starts ----------
     if "--help" in argv or "-h" in argv:
         print(help_text())

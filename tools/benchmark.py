@@ -38,7 +38,7 @@
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} (longctx also a .png) with the date, versions
-and machine. The code lives in tools/bench/, one module per benchmark (the package `bench`, imported from this
+and machine. The code lives in tools/bench/, one folder per benchmark (the package `bench`, imported from this
 script's folder; not installed with zero_recipes).
 """
 
@@ -52,23 +52,23 @@ import sys
 # command's module is imported, so a command imports no package it does not use: `gpu` runs on a machine without
 # the cleaning benchmark's ftfy and datatrove. --help, or no command, imports them all to list them.
 COMMANDS = {
-    "data": "data",
-    "prep-once": "data",
-    "cleaning": "cleaning",
-    "export": "export",
-    "estimator": "estimator",
-    "estimator-public": "estimator_public",
-    "mfu": "speed",
-    "train": "speed",
-    "profile": "speed_profile",
-    "sft": "sft",
-    "settings": "settings",
-    "gpu": "gpu",
-    "lora": "lora",
-    "parallel": "parallel",
-    "pipeline": "pipeline",
-    "moe": "moe",
-    "longctx": "longctx",
+    "data": "data.benchmark",
+    "prep-once": "data.benchmark",
+    "cleaning": "cleaning.benchmark",
+    "export": "export.benchmark",
+    "estimator": "estimator.benchmark",
+    "estimator-public": "estimator.public",
+    "mfu": "speed.benchmark",
+    "train": "speed.benchmark",
+    "profile": "speed.profile",
+    "sft": "sft.benchmark",
+    "settings": "settings.benchmark",
+    "gpu": "gpu.benchmark",
+    "lora": "lora.benchmark",
+    "parallel": "parallel.benchmark",
+    "pipeline": "pipeline.benchmark",
+    "moe": "moe.benchmark",
+    "longctx": "longctx.benchmark",
 }
 
 

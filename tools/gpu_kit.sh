@@ -29,8 +29,8 @@ SITE=/tmp/gpu_kit_site # where the command installs the kit on the device
 LIMIT_MIB=64           # what travels with a `run`: the working tree and the carried paths together
 # The command, one line: install the kit exactly as the device tool's README does (no index, no deps, a target
 # dir), put that dir and the repo (zero_recipes, train.py's package) on PYTHONPATH and its bin/ (the deepspeed
-# launcher, which tools/bench/sft.py starts) on PATH, offline (nothing can be reached there), and keep the log
-# under $OUT even if the tool's time limit kills the pipeline.
+# launcher, which tools/bench/sft/benchmark.py starts) on PATH, offline (nothing can be reached there), and keep
+# the log under $OUT even if the tool's time limit kills the pipeline.
 COMMAND="set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $KIT/*.whl && export PYTHONPATH=$SITE:\$PWD PATH=$SITE/bin:\$PATH HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 && python3 tools/benchmark.py gpu --out-dir \$OUT 2>&1 | tee \$OUT/gpu-log.txt"
 
 # The image's packages (KINDS.md, as read on a machine running it on 2026-11-17), and the versions of those its

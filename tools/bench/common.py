@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,8 @@ def footer(r: dict) -> list[str]:
         + ".",
         "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
     ]
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and count of samples: how the LoRA, parallel and pipeline reports give a figure."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

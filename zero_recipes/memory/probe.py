@@ -12,8 +12,8 @@ an event carrying the allocator's global count of live bytes, which, with `count
 thread's allocations and frees (gloo's worker threads free its collectives' copies): exact for torch tensors
 (DeepSpeed's flat buffers, its C++ Adam's states and gloo's staging tensors included), blind to non-torch
 memory (the Python heap, libraries, a checkpoint's memory-mapped file). On the CPU accelerator "device" and host
-memory are one pool, so the figure is device plus host; tools/bench/estimator.py compares it with the estimate's
-per-GPU plus per-rank host bytes.
+memory are one pool, so the figure is device plus host; tools/bench/estimator/benchmark.py compares it with the
+estimate's per-GPU plus per-rank host bytes.
 
 It refuses a GPU in one line (`refuse_accelerator`): what it reads is the CPU allocator, and counting CUDA
 allocations instead would be a second probe no CPU can check; on a GPU, train.py logs the device's peak itself.
@@ -23,7 +23,7 @@ pipeline parallelism (`"pipeline": {"stages": N}`) each rank runs its stage as t
 train_batch) and every instruction of the schedule is marked with its phase (`pipeline_steps`).
 
 The same reading of the allocator's events (`allocator_events`) serves the benchmarks' probes
-(tools/bench/profiled_train.py, longctx_probe.py) and the estimate tests' one forward+backward
+(tools/bench/runners/profiled_train.py, longctx/probe.py) and the estimate tests' one forward+backward
 (`fwd_bwd_peak_bytes`). torch and the training modules are imported when a probe runs, not with this module.
 """
 

@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
-from bench.gpu import PARTS
-from bench.gpu_parts import CONFIGS, FULL, LLAMA_1B, predicted, train_flags
+from bench.gpu.benchmark import PARTS
+from bench.gpu.parts import CONFIGS, FULL, LLAMA_1B, predicted, train_flags
 from helpers import REPO
 
 # What the GPU script does not run: the data cleaning's (ftfy, datatrove), the evaluation's, the trackers', the

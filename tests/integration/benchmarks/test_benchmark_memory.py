@@ -5,7 +5,7 @@ themselves are machine-dependent; only their signs, orderings and parities are c
 import json
 import sys
 
-from bench.export import peak_memory
+from bench.export.benchmark import peak_memory
 from helpers import run_quick
 
 
@@ -53,7 +53,7 @@ def test_pipeline_benchmark_quick(tmp_path):
     stage-time, with each stage computing its m micro-batches inside the step's span."""
     report = run_quick("pipeline", tmp_path, timeout=300)
     md = report.with_suffix(".md").read_text()
-    assert "## The bubble against (p − 1) / (m + p − 1)" in md and "--module bench.pipeline_probe" in md
+    assert "## The bubble against (p − 1) / (m + p − 1)" in md and "--module bench.pipeline.probe" in md
     r = json.loads(report.read_text())
     c = r["configs"]
     assert list(c) == ["ZeRO-1", "PP2 (ZeRO-1)"]

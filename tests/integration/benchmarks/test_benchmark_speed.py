@@ -62,7 +62,7 @@ def test_sft_benchmark_quick(tmp_path):
     for ratio in r["ratios"].values():
         assert ratio["low"] <= ratio["median"] <= ratio["high"]
     assert "train.py / TRL SFTTrainer, label tokens/s" in report.with_suffix(".md").read_text()
-    # the start-up breakdown (bench/startup.py): each phase found in both runners, nothing counted twice, and
+    # the start-up breakdown (bench/sft/startup_probe.py): each phase found in both runners, nothing counted twice, and
     # train.py importing none of what it does not use
     startup = r["startup"]
     assert set(startup) == {"train.py, cached", "TRL SFTTrainer, cached"}

@@ -2,7 +2,7 @@
 benchmark's rounds (tools/bench/). The export benchmark's memory sampling starts a child process, so it
 is in tests/integration/benchmarks/test_benchmark_memory.py."""
 
-from bench.settings import PARITY_TOL, VARIANTS, summarise
+from bench.settings.benchmark import PARITY_TOL, VARIANTS, summarise
 
 
 def test_settings_benchmark_arithmetic():
@@ -29,7 +29,7 @@ def test_settings_benchmark_arithmetic():
 def test_parallel_benchmark_rounds_rotate_and_ratios_stay_within_a_round():
     """`benchmark.py parallel`: each configuration takes each place in turn, and a configuration's ratio to
     ZeRO-2 is taken against ZeRO-2's run of the same round (drift between rounds cancels), after the warm-up."""
-    from bench.parallel import BASELINE, CONFIGS, max_loss_delta, round_orders, round_ratios
+    from bench.parallel.benchmark import BASELINE, CONFIGS, max_loss_delta, round_orders, round_ratios
 
     names = list(CONFIGS)
     orders = round_orders(names, 5)
@@ -48,7 +48,7 @@ def test_parallel_benchmark_rounds_rotate_and_ratios_stay_within_a_round():
 
 def test_parallel_benchmark_feeds_every_configuration_one_global_batch():
     """Loss parity needs the same rows per step: micro-batch x data-parallel replicas is the same for all."""
-    from bench.parallel import CONFIGS, SIZES, launch
+    from bench.parallel.benchmark import CONFIGS, SIZES, launch
 
     micro = SIZES["cpu"]["micro"]
     globals_ = set()

@@ -10,7 +10,8 @@ import shlex
 import benchmark
 import pytest
 
-from bench import gpu, gpu_parts, moe
+from bench.gpu import benchmark as gpu, parts as gpu_parts
+from bench.moe import benchmark as moe
 from zero_recipes.config.plan import RunPlan
 
 
@@ -67,7 +68,7 @@ def test_the_moe_benchmarks_gpu_commands_are_plannable():
 
 
 def test_benchmark_py_imports_only_the_command_it_runs():
-    assert benchmark.modules_for(["gpu", "--quick"]) == ["gpu"]
+    assert benchmark.modules_for(["gpu", "--quick"]) == ["gpu.benchmark"]
     assert benchmark.modules_for(["--help"]) == list(dict.fromkeys(benchmark.COMMANDS.values()))
     for module in set(benchmark.COMMANDS.values()):  # the table names each module's own subcommands
         sub = argparse.ArgumentParser().add_subparsers()

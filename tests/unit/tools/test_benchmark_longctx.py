@@ -1,13 +1,13 @@
 """`tools/benchmark.py longctx`'s arithmetic, without a launcher: the search for the longest sequence within a
 budget, the split of a step's allocator events into model states, activations and the loss region, and the
-goal ratios (tools/bench/longctx.py, longctx_search.py, longctx_report.py, longctx_probe.py)."""
+goal ratios (tools/bench/longctx/benchmark.py, longctx/search.py, longctx/report.py, longctx/probe.py)."""
 
 import pytest
 
-from bench.longctx import SP, SP_TILED, TILED, TODAY, goals, point
-from bench.longctx_probe import step_memory
-from bench.longctx_report import growth, states_spread
-from bench.longctx_search import longest, predicted_peak, trains_within
+from bench.longctx.benchmark import SP, SP_TILED, TILED, TODAY, goals, point
+from bench.longctx.probe import step_memory
+from bench.longctx.report import growth, states_spread
+from bench.longctx.search import longest, predicted_peak, trains_within
 
 
 @pytest.mark.parametrize("truth", [100, 700, 1000, 1024, 1500, 5000, 40000])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.lora import checkpoint_files, markdown, summarise
-from bench.profiled_train import peaks
+from bench.lora.benchmark import checkpoint_files, markdown, summarise
+from bench.runners.profiled_train import peaks
 
 
 def run(windows, ckpt_bytes, save_s, rss=1.0):

@@ -1,7 +1,7 @@
-"""The SFT benchmark's data and token arithmetic (tools/bench/sft_data.py), on the batches the three
+"""The SFT benchmark's data and token arithmetic (tools/bench/sft/data.py), on the batches the three
 runners really feed their models: train.py's packed collate, TRL's padding-free collator and the HF Trainer's
-DataCollatorForSeq2Seq; its summary of measured rounds (tools/bench/sft.py); and its probe (sft_probe.py) on the
-model's device, waiting for it before each stamp."""
+DataCollatorForSeq2Seq; its summary of measured rounds (tools/bench/sft/benchmark.py); and its probe
+(sft/probe.py) on the model's device, waiting for it before each stamp."""
 
 import statistics
 import time
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench import paired, sft, sft_data, sft_probe
+from bench import paired
+from bench.sft import benchmark as sft, data as sft_data, probe as sft_probe
 from zero_recipes.data import packing
 
 PAD = 0

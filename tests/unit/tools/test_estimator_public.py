@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import estimator_public as pub
+from bench.estimator import public as pub
 
 TINY = {
     "model_type": "llama",

@@ -1,4 +1,4 @@
-"""`python tools/benchmark.py cleaning`: tools/clean_data.py on a labelled corpus (bench/cleaning_corpus.py)
+"""`python tools/benchmark.py cleaning`: tools/clean_data.py on a labelled corpus (bench/cleaning/corpus.py)
 of English and Chinese documents with planted near-duplicates, exact duplicates, garbled text and
 repairable mojibake. Each document's fate is read from clean_data's own outputs (OUT.jsonl and
 OUT.removed.jsonl, which say why), so what is scored is what a user gets.
@@ -20,8 +20,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from bench import cleaning_corpus
-from bench.common import REPO, footer, new_report, write_report, yes
+from ..common import REPO, footer, new_report, write_report, yes
+from . import corpus as cleaning_corpus
 
 ALL_ON = ["--fix_text", "true", "--drop_garbled", "true", "--quality_filter", "gopher", "--dedupe", "near"]
 GOALS = {"near_recall": 0.9, "near_precision": 0.98, "garbled_recall": 0.9, "clean_removed": 0.02}
@@ -185,7 +185,7 @@ def cmd_cleaning(args) -> int:
 
 
 def cleaning_corpus_versions() -> dict:
-    from bench.common import optional_versions
+    from ..common import optional_versions
 
     return {"cleaning_versions": optional_versions("datatrove", "ftfy")}
 
@@ -203,7 +203,7 @@ def markdown(r: dict) -> str:
         "",
         f"`{r['command']}`: tools/clean_data.py on {r['documents']} generated documents (seed {r['seed']}, "
         f"{r['workers']} workers), half English and half Chinese: {', '.join(f'{k} {v}' for k, v in r['corpus'].items())}. "
-        "How the corpus is made: tools/bench/cleaning_corpus.py. Each document's fate is read from clean_data's "
+        "How the corpus is made: tools/bench/cleaning/corpus.py. Each document's fate is read from clean_data's "
         "own outputs.",
         "",
         "| goal | every step on (`" + " ".join(ALL_ON) + "`) | `--dedupe exact` alone (baseline) | met |",

@@ -15,7 +15,7 @@ Where the text comes from:
   documents (a 100k corpus draws ~36k); past that a shuffled copy of the grid is used, and the bound becomes
   statistical. Runs that would fail Gopher's repetition filter (sibling docstrings repeat each other) are skipped.
 - English, synthetic decorations: datelines/bylines, URL, e-mail and number sentences, curly quotes and dashes.
-- Chinese, all synthetic: offline Chinese prose is scarce (see cleaning_zh_vocab.py), so documents are written
+- Chinese, all synthetic: offline Chinese prose is scarce (see zh_vocab.py), so documents are written
   from hand-made vocabulary and sentence templates: 10 topics x 3 registers (news, blog, guide), with titles,
   datelines, numbers, Latin words, URLs, phone numbers and e-mail addresses.
 - Everything else (near-duplicates, boilerplate, garbling, mojibake) is derived by the code below.
@@ -26,7 +26,7 @@ source; mojibake_fixable originals are not in the corpus (repaired, they are doc
 means `ftfy.fix_encoding(text) == original`: `ftfy.fix_text` also uncurls quotes and turns Chinese full-width
 punctuation into ASCII, so it changes even the original (fix_text(text) == fix_text(original) holds).
 
-    python tools/bench/cleaning_corpus.py --n 1000 --seed 0 --out /tmp/corpus.jsonl [--check]
+    python tools/bench/cleaning/corpus.py --n 1000 --seed 0 --out /tmp/corpus.jsonl [--check]
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from functools import lru_cache
 from pathlib import Path
 
 try:
-    from . import cleaning_zh_vocab as zh
-except ImportError:  # run as a script: tools/bench is on sys.path, not tools/
-    import cleaning_zh_vocab as zh
+    from . import zh_vocab as zh
+except ImportError:  # run as a script: tools/bench/cleaning is on sys.path, not tools/
+    import zh_vocab as zh
 
 
 @lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""Hand-written vocabulary and sentence templates for the synthetic Chinese documents of cleaning_corpus.py.
+"""Hand-written vocabulary and sentence templates for the synthetic Chinese documents of corpus.py.
 
 Real Chinese prose barely exists offline. On the machine this was written on: the zh Rust by Example of a rustup
 toolchain (~51k Chinese characters of programming tutorial), vim's Chinese tutor (~8k), GnuPG's help (~1.5k) and

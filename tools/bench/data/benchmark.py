@@ -18,8 +18,8 @@ import time
 from itertools import chain
 from pathlib import Path
 
-from .common import REPO, environment, free_port, quiet, run_checked, write_report
-from .data_report import BLOCK, markdown
+from ..common import REPO, environment, free_port, quiet, run_checked, write_report
+from .report import BLOCK, markdown
 
 BENCHMARK_PY = REPO / "tools" / "benchmark.py"
 TARGET_TOKENS = 10_000_000  # prep throughput corpus

@@ -1,10 +1,10 @@
-"""The data benchmark's report: benchmarks/data-DATE.md from the figures tools/bench/data.py measured."""
+"""The data benchmark's report: benchmarks/data-DATE.md from the figures tools/bench/data/benchmark.py measured."""
 
 from __future__ import annotations
 
-from .common import yes
+from ..common import yes
 
-BLOCK = 1024  # the block size both pipelines prepare (data.py) and the report states
+BLOCK = 1024  # the block size both pipelines prepare (benchmark.py) and the report states
 
 
 def markdown(r: dict) -> str:

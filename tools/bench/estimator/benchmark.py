@@ -28,8 +28,8 @@ from pathlib import Path
 
 from zero_recipes.config.shipped import PRECISIONS, select
 
-from .common import REPO, free_port, new_report, run_checked, write_report
-from .estimator_report import MODELS, long_options, markdown
+from ..common import REPO, free_port, new_report, run_checked, write_report
+from .report import MODELS, long_options, markdown
 
 CONFIGS = select("zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all")
 # (model, config, precision, ranks, micro-batch, seq len, gradient checkpointing)

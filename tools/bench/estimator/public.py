@@ -20,7 +20,7 @@ from pathlib import Path
 
 from zero_recipes.memory.estimate import fit_verdict
 
-from .common import REPO, environment
+from ..common import REPO, environment
 
 DATA = REPO / "benchmarks" / "estimator-gpu-public.json"
 BAND = {"over": 0.15, "under": 0.05}

@@ -1,4 +1,4 @@
-"""The estimator report: benchmarks/estimator.md from the points tools/bench/estimator.py measured, each
+"""The estimator report: benchmarks/estimator.md from the points tools/bench/estimator/benchmark.py measured, each
 against tools/estimate_memory.py's prediction, with a summary per kind of point (LoRA, TP, long context).
 """
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from .common import footer
+from ..common import footer
 
-# What estimator.py launches and this report states: the models, the target band, a point's long-context options
+# What benchmark.py launches and this report states: the models, the target band, a point's long-context options
 MODELS: dict = {  # Llama shapes with GQA and SwiGLU; "B" is ~34M parameters, "A" ~7M (held out)
     "B": {
         "hidden_size": 512,

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from ..common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
 # ~91M parameters (365 MB in fp32): "a model of a few hundred MB"; --quick: ~7M, for the test
 MODELS = {

@@ -4,18 +4,18 @@
     python tools/benchmark.py gpu --quick --out-dir /tmp/bench   # the same code on the CPU, tiny shapes (the test)
 
 Parts, most valuable first (each one's failure is recorded in the report and the next still runs;
-bench/gpu_parts.py):
+bench/gpu/parts.py):
 1. ZeRO-2: a Llama-3.2-1B-shaped model (random init, `--model_config`, no hub), bf16, sequence 2048: tokens/s,
    MFU against zero_recipes/training/metrics.py's dense peak for the device, `max_memory_allocated` against
    tools/estimate_memory.py's estimate for the same launch; its export is the LoRA part's base;
-2. TP2, SP2, PP2: one rank's compute at the split shapes (bench/gpu_shapes.py): two ranks cannot share a GPU;
+2. TP2, SP2, PP2: one rank's compute at the split shapes (bench/gpu/shapes.py): two ranks cannot share a GPU;
 3. LoRA r 16 on all-linear of the ZeRO-2 part's export, the same figures;
-4. SFT: one round of sft.py's train.py and TRL SFTTrainer runners on one GPU, label tokens/s and their ratio;
-5. MoE: moe.py's GPU Mixtral (1.1B parameters, 8 experts, 2 per token) under ZeRO-2 on one GPU, the same;
+4. SFT: one round of sft/benchmark.py's train.py and TRL SFTTrainer runners on one GPU, label tokens/s and their ratio;
+5. MoE: moe/benchmark.py's GPU Mixtral (1.1B parameters, 8 experts, 2 per token) under ZeRO-2 on one GPU, the same;
 6. ZeRO-3: as 1, if the time budget still allows.
 The plan, with each part's time estimate, is printed first. The report (md and json) is written before the
 first part and again as each part ends, so a run killed at the device's command limit keeps every finished
-part. No run saves a checkpoint (bench/unsaved_train.py): nothing here reads one, and a 1B model's is ~17 GB.
+part. No run saves a checkpoint (bench/runners/unsaved_train.py): nothing here reads one, and a 1B model's is ~17 GB.
 The full run keeps to a budget (7.5 min from its start, --budget): a part whose estimate no longer fits is
 skipped (and listed), and every launch stops at 3x its part's estimate or at the budget's end, so one hang cannot
 eat a 15-minute device lease. Without CUDA, and without --quick, it refuses in one line.
@@ -32,9 +32,9 @@ import time
 import traceback
 from pathlib import Path
 
-from . import gpu_parts as parts
-from .common import REPO, new_report, write_report
-from .gpu_report import markdown
+from ..common import REPO, new_report, write_report
+from . import parts
+from .report import markdown
 
 # name: (what, seconds on one H200, seconds --quick on 2 CPU cores, the part), in the order they run: the most
 # valuable first, so a budget cut or a kill loses the least (LoRA trains from ZeRO-2's export: after it). The H200
@@ -47,7 +47,7 @@ PARTS = {
     "ZeRO-2": ("the dense Llama, ZeRO-2", 60, 25, lambda s, tmp, t: parts.dense(s, "zero2", tmp, t)),
     "TP/SP/PP shapes": ("one rank's compute at TP2, SP2, PP2 shapes", 40, 15, parts.shapes),
     "LoRA": ("LoRA r 16 of ZeRO-2's export", 40, 25, parts.lora),
-    "SFT vs TRL": ("sft.py's train.py and TRL SFTTrainer runners, one round", 100, 60, parts.sft_vs_trl),
+    "SFT vs TRL": ("sft/benchmark.py's train.py and TRL SFTTrainer runners, one round", 100, 60, parts.sft_vs_trl),
     "MoE": ("a Mixtral, 8 experts, 2 per token, ZeRO-2", 60, 25, parts.mixture),
     "ZeRO-3": ("the dense Llama, ZeRO-3 (if time allows)", 65, 25, lambda s, tmp, t: parts.dense(s, "zero3", tmp, t)),
 }

@@ -1,12 +1,13 @@
-"""The GPU benchmark's parts (tools/bench/gpu.py runs them in order): each measures one thing on one device and
-returns its figures, or raises; gpu.py records a failure and goes on.
+"""The GPU benchmark's parts (tools/bench/gpu/benchmark.py runs them in order): each measures one thing on one
+device and returns its figures, or raises; benchmark.py records a failure and goes on.
 
 Every training run is train.py's own main(), one rank under torchrun, without its checkpoints (nothing here reads
-one): tools/bench/unsaved_train.py on a GPU, whose metrics.jsonl gives tokens/s, MFU and `mem_peak_gb`
-(torch.cuda.max_memory_allocated); on the CPU (--quick) tools/bench/profiled_train.py with --no_checkpoints, whose
-allocator events give the peak (the CPU logs no device memory). The export is train.py's as always. The
-estimate is tools/estimate_memory.py's for the same flags (zero_recipes.memory.for_run, as train.py logs it on
-a GPU: GPU accounting there, the CPU accelerator's one pool under --quick).
+one): tools/bench/runners/unsaved_train.py on a GPU, whose metrics.jsonl gives tokens/s, MFU and `mem_peak_gb`
+(torch.cuda.max_memory_allocated); on the CPU (--quick) tools/bench/runners/profiled_train.py with
+--no_checkpoints, whose allocator events give the peak (the CPU logs no device memory). The export is
+train.py's as always. The estimate is tools/estimate_memory.py's for the same flags
+(zero_recipes.memory.for_run, as train.py logs it on a GPU: GPU accounting there, the CPU accelerator's one
+pool under --quick).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from pathlib import Path
 
 from zero_recipes.config.shipped import PRECISIONS, select
 
-from . import moe, paired, sft
-from .common import free_port, run_checked
-from .lora import VARIANTS as LORA_VARIANTS
-from .parallel import model_fields
+from .. import paired
+from ..common import free_port, run_checked
+from ..lora.benchmark import VARIANTS as LORA_VARIANTS
+from ..moe import benchmark as moe
+from ..parallel.benchmark import model_fields
+from ..sft import benchmark as sft
 
 LLAMA_1B = {
     "model_type": "llama",
@@ -92,7 +95,11 @@ def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
     probe = out.with_name(out.name + "-probe")
     gpu = cuda()
-    cmd += ["--module", "bench.unsaved_train"] if gpu else ["--module", "bench.profiled_train", "--no_checkpoints"]
+    cmd += (
+        ["--module", "bench.runners.unsaved_train"]
+        if gpu
+        else ["--module", "bench.runners.profiled_train", "--no_checkpoints"]
+    )
     cmd += argv + ["--output_dir", str(out)] + ([] if gpu else ["--probe_out", str(probe)])
     log = run_checked(cmd, None, timeout, f"{name}: {' '.join(cmd)}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -128,7 +135,8 @@ def dense(s: dict, config: str, tmp: Path, timeout: int) -> dict:
 
 
 def lora(s: dict, tmp: Path, timeout: int) -> dict:
-    """LoRA r 16 on all-linear (lora.py's variant) of the ZeRO-2 part's export, ZeRO-2, same shape and steps."""
+    """LoRA r 16 on all-linear (lora/benchmark.py's variant) of the ZeRO-2 part's export, ZeRO-2, same shape and
+    steps."""
     base = tmp / "zero2"
     if not (base / "config.json").exists():
         raise RuntimeError("no base: the ZeRO-2 part left no export")
@@ -142,7 +150,7 @@ def lora(s: dict, tmp: Path, timeout: int) -> dict:
 
 
 def mixture(s: dict, tmp: Path, timeout: int) -> dict:
-    """moe.py's Mixtral (its GPU size; its tiny one under --quick) under ZeRO-2 on one rank: no expert
+    """moe/benchmark.py's Mixtral (its GPU size; its tiny one under --quick) under ZeRO-2 on one rank: no expert
     parallelism, every expert on the device. MFU counts active FLOPs (k experts per token)."""
     argv = train_flags(s, CONFIGS["zero2"], s["moe_model"], s["moe_block"], s["moe_micro"])
     try:
@@ -153,11 +161,11 @@ def mixture(s: dict, tmp: Path, timeout: int) -> dict:
 
 
 def shapes(s: dict, tmp: Path, timeout: int) -> dict:
-    """TP2's, SP2's and PP2's per-rank compute at their split shapes, in one process (bench/gpu_shapes.py)."""
+    """TP2's, SP2's and PP2's per-rank compute at their split shapes, in one process (bench/gpu/shapes.py)."""
     spec = {"model": model_fields(s["dense"]), "block": s["block"], "micro": s["micro"]}
     spec |= {"steps": s["shape_steps"], "precision": s["precision"]}
     out = tmp / "shapes.json"
-    run_checked([sys.executable, "-m", "bench.gpu_shapes", json.dumps(spec), str(out)], None, timeout, "shapes")
+    run_checked([sys.executable, "-m", "bench.gpu.shapes", json.dumps(spec), str(out)], None, timeout, "shapes")
     result = json.loads(out.read_text())
     full = result["shapes"]["full model"]["step_seconds"]
     for x in result["shapes"].values():
@@ -166,8 +174,8 @@ def shapes(s: dict, tmp: Path, timeout: int) -> dict:
 
 
 def sft_vs_trl(s: dict, tmp: Path, timeout: int) -> dict:
-    """One round of sft.py's train.py and TRL runners on one rank: label tokens/s, and train.py / TRL paired by
-    window (paired.py) within the round."""
+    """One round of sft/benchmark.py's train.py and TRL runners on one rank: label tokens/s, and train.py / TRL
+    paired by window (paired.py) within the round."""
     import time
 
     settings = s["sft"]

@@ -1,11 +1,11 @@
-"""The GPU benchmark's report page (tools/bench/gpu.py writes it beside the JSON)."""
+"""The GPU benchmark's report page (tools/bench/gpu/benchmark.py writes it beside the JSON)."""
 
 from __future__ import annotations
 
 import json
 
-from . import paired
-from .common import footer
+from .. import paired
+from ..common import footer
 
 TRAIN_PARTS = ("ZeRO-2", "LoRA", "MoE", "ZeRO-3")  # in the order they run
 
@@ -88,7 +88,8 @@ def sft_section(r: dict | None) -> list[str]:
         return head + [not_ok("SFT vs TRL", r), ""]
     s = r["settings"]
     lines = head + [
-        f"sft.py's workload on one device: {s['conversations']:,} generated conversations ({r['data_tokens']:,} "
+        f"sft/benchmark.py's workload on one device: {s['conversations']:,} generated conversations "
+        f"({r['data_tokens']:,} "
         f"tokens), {r['model']}, rows of {s['block']} tokens, micro-batch {s['micro']}, ZeRO-2"
         f"{' + ' + ', '.join(s['fragments']) if s.get('fragments') else ''}, one epoch, one round.",
         "",
@@ -146,7 +147,8 @@ def markdown(r: dict) -> str:
         f"{json.dumps(s['moe_model'])} ({(parts.get('MoE') or {}).get('parameters', '-')}), sequence "
         f"{s['moe_block']}, micro-batch {s['moe_micro']}; MFU on active FLOPs. Measured peak: "
         "`torch.cuda.max_memory_allocated` as train.py logs it (`mem_peak_gb`) on a GPU; on the CPU the allocator "
-        "events' peak over the whole run (tools/bench/profiled_train.py). Estimate: tools/estimate_memory.py's for "
+        "events' peak over the whole run (tools/bench/runners/profiled_train.py). Estimate: "
+        "tools/estimate_memory.py's for "
         "the same flags (zero_recipes.memory.for_run, as train.py logs it), its peak phase in brackets.",
         "",
         *shapes_table(parts.get("TP/SP/PP shapes")),

@@ -1,6 +1,6 @@
 """The GPU benchmark's one-device stand-in for TP2, SP2 and PP2: one rank's compute at the split shapes.
 
-    PYTHONPATH=tools python -m bench.gpu_shapes '<spec JSON>' OUT.json
+    PYTHONPATH=tools python -m bench.gpu.shapes '<spec JSON>' OUT.json
 
 Two ranks cannot share one GPU under NCCL, so the collectives are not run; what one rank computes is. In this
 process, on the device (CUDA, else the CPU), each shape is built from its config (random init, `spec`'s

@@ -5,7 +5,7 @@ Ulysses sequence parallelism (SP=2) and both, and the longest sequence that trai
     python tools/benchmark.py longctx --quick     # tiny blocks, 4 configurations (the test)
 
 Every point is one train.py run through the real launcher (`deepspeed --num_gpus 2`, one sequence per rank,
-a couple of optimizer steps) under tools/bench/longctx_probe.py: torch.profiler's allocator events on
+a couple of optimizer steps) under tools/bench/longctx/probe.py: torch.profiler's allocator events on
 every rank, read at marks placed at the start of each forward, at the final norm (where the output head and
 the loss begin), when the gradient reaches it again, and at the optimizer step. Per step:
   model states  = live bytes when the forward starts (what outlives a step),
@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, child_env, free_port, new_report, write_report
-from .longctx_report import SP, SP_TILED, TILED, TODAY, GiB, budget_label, fmt_ratio, markdown, plot, render
-from .longctx_search import longest, predicted_peak, trains_within
+from ..common import REPO, child_env, free_port, new_report, write_report
+from .report import SP, SP_TILED, TILED, TODAY, GiB, budget_label, fmt_ratio, markdown, plot, render
+from .search import longest, predicted_peak, trains_within
 
 ZERO3, SP2 = "ds_configs/zero3.json", "ds_configs/sp2.json"
 # name: (sequence-parallel size, tiled loss, tiled MLP)
@@ -77,7 +77,7 @@ SIZES = {
         configs=list(CONFIGS)[:4],
         search=[TODAY, SP_TILED],
         # the search starts and ends at the sweep's block: it reads back those runs instead of launching two
-        # more (the doubling and bisection are unit-tested in tests/unit/test_benchmark_longctx.py)
+        # more (the doubling and bisection are unit-tested in tests/unit/tools/test_benchmark_longctx.py)
         limit=256,
     ),
 }
@@ -88,7 +88,7 @@ def launch(name: str, block: int, size: dict, out: Path, probe: Path) -> list[st
     """The `deepspeed` command line of one configuration at one block size, under the probe."""
     sp, tiled_loss, tiled_mlp = CONFIGS[name]
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += ["--module", "bench.longctx_probe", "--deepspeed", ZERO3, *([SP2] if sp == 2 else [])]
+    cmd += ["--module", "bench.longctx.probe", "--deepspeed", ZERO3, *([SP2] if sp == 2 else [])]
     cmd += ["--model_config", json.dumps(size["model"]), "--block_size", str(block)]
     cmd += ["--per_device_train_batch_size", "1", "--max_steps", str(size["steps"]), "--learning_rate", "1e-3"]
     cmd += ["--tiled_loss", str(tiled_loss).lower(), "--tiled_mlp", str(tiled_mlp).lower()]
@@ -106,7 +106,7 @@ def run(cmd: list[str], timeout: int = TIMEOUT) -> tuple[int, str]:
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=child_env(),  # the probe runs as `-m bench.longctx_probe`
+        env=child_env(),  # the probe runs as `-m bench.longctx.probe`
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -297,7 +297,7 @@ def report(size: dict, points: dict, searches: dict, cap: float, code: dict, sta
 
     from zero_recipes.modeling.model import count_params_meta
 
-    from .parallel import model_fields
+    from ..parallel.benchmark import model_fields
 
     fields = model_fields(size["model"])
     fields.pop("model_type", None)

@@ -1,9 +1,9 @@
 """train.py's own main() under torch.profiler's allocator events, with the memory of each step split into
 model states, activations and the loss region, per rank.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.longctx_probe <train.py's flags> --probe_out /tmp/p
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.longctx.probe <train.py's flags> --probe_out /tmp/p
 
-As tools/bench/profiled_train.py (train.py loaded from the repository root, its main() called with
+As tools/bench/runners/profiled_train.py (train.py loaded from the repository root, its main() called with
 the same flags, every optimizer step marked `phase:train_step`), plus zero-length marks at three points of
 each step, so the live bytes (the running sum of the CPU allocator's events) can be read at them:
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from zero_recipes.memory.probe import allocator_events, count_every_thread
 
-from .common import REPO
-from .profiled_train import instrument, peaks
-from .workload import pop_flag
+from ..common import REPO
+from ..runners.profiled_train import instrument, peaks
+from ..runners.workload import pop_flag
 
 POINTS = ("forward", "loss_start", "loss_end", "optimizer")
 

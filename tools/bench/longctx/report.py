@@ -1,4 +1,4 @@
-"""The long-context report: benchmarks/longctx-DATE.{md,png} from the figures tools/bench/longctx.py
+"""The long-context report: benchmarks/longctx-DATE.{md,png} from the figures tools/bench/longctx/benchmark.py
 measured (its .json), one function per section of the .md.
 
     python tools/benchmark.py longctx --render benchmarks/longctx-DATE.json   # the .md and .png again
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import footer, write_report, yes
+from ..common import footer, write_report, yes
 
 # The four configurations the goals compare, by the names longctx.CONFIGS runs them under (it adds the tiled MLP)
 TODAY, TILED, SP, SP_TILED = "ZeRO-3 (today)", "ZeRO-3 + tiled loss", "ZeRO-3 + SP2", "ZeRO-3 + SP2 + tiled loss"
@@ -217,7 +217,7 @@ def method(r: dict) -> list[str]:
         "## Method",
         "",
         "- Each point: `deepspeed --num_gpus 2` running train.py's main() under "
-        "tools/bench/longctx_probe.py (torch.profiler, profile_memory, every rank): the running sum of "
+        "tools/bench/longctx/probe.py (torch.profiler, profile_memory, every rank): the running sum of "
         "the CPU allocator's events is the live torch bytes (exact for tensors; not the Python heap or "
         "libraries). The peak is that of the optimizer steps (train.py's runner.train_step); the export at the "
         "end is left out. No held-out split (`--validation_split_percentage 0`): train.py's eval would compute "

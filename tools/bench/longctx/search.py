@@ -1,4 +1,4 @@
-"""The search for the longest sequence that trains within a memory budget (tools/bench/longctx.py runs
+"""The search for the longest sequence that trains within a memory budget (tools/bench/longctx/benchmark.py runs
 it): doubling, then bisection, on whether one run at a length trained within the budget; and the linear
 prediction of a run's peak that keeps runs over the machine's cap from being launched.
 """

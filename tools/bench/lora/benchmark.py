@@ -2,7 +2,7 @@
 on disk and time to save, each as a LoRA / full ratio.
 
 Every run is train.py through the real `deepspeed` launcher with 2 ranks, on the model, data, batch and
-DeepSpeed config of the `train` benchmark's 100M size (tools/bench/speed.py), fine-tuning a base that
+DeepSpeed config of the `train` benchmark's 100M size (tools/bench/speed/benchmark.py), fine-tuning a base that
 train.py itself wrote (one step from the seeded init, exported as an HF directory). The variants differ only
 in `--lora_r 16 --lora_target_modules all-linear`. Per precision:
 
@@ -11,7 +11,7 @@ in `--lora_r 16 --lora_target_modules all-linear`. Per precision:
   saved after the last window so its disk writes touch no timed window: its size (all files under
   checkpoints/step-N) and its save time from the files' own timestamps (first rng_state_<rank>.pt written,
   the save's first file, to the last file written);
-- one profiled run per variant (tools/bench/profiled_train.py: train.py's main under torch.profiler's
+- one profiled run per variant (tools/bench/runners/profiled_train.py: train.py's main under torch.profiler's
   allocator events): the per-rank peak of live torch bytes, overall, in the optimizer steps and in the save,
   and the save's time measured around Checkpointer.save (a cross-check of the timestamps).
 """
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, footer, free_port, new_report, run_checked, write_report
-from .speed import QUICK as SPEED_QUICK, SIZES as SPEED_SIZES, flags as speed_flags
+from ..common import REPO, footer, free_port, new_report, run_checked, spread, write_report
+from ..speed.benchmark import QUICK as SPEED_QUICK, SIZES as SPEED_SIZES, flags as speed_flags
 
 VARIANTS = {"full": [], "lora": ["--lora_r", "16", "--lora_target_modules", "all-linear"]}
 PRECISION_FRAGMENTS = {"fp32": [], "bf16": ["ds_configs/bf16.json"]}  # added after ds_configs/zero2.json
@@ -39,7 +39,7 @@ def launcher() -> list[str]:
 
 
 def run_flags(size, precision: str, base: Path, variant: str) -> list[str]:
-    """speed.py's flags for the size without its model config (the base brings the model), plus the precision
+    """speed/benchmark.py's flags for the size without its model config (the base brings the model), plus the precision
     fragment, the base and the variant; one logging window per `window` steps, the only save at the end."""
     _model, *rest = size
     out = speed_flags((None, *rest))
@@ -117,7 +117,7 @@ def profiled_run(size, precision: str, base: Path, variant: str, out: Path) -> d
     probe = out.with_name(out.name + "-probe")
     cmd = (
         launcher()
-        + ["--module", "bench.profiled_train"]
+        + ["--module", "bench.runners.profiled_train"]
         + run_flags(size, precision, base, variant)
         + ["--output_dir", str(out), "--probe_out", str(probe)]
     )
@@ -148,10 +148,6 @@ def measure(size, precisions: list[str], rounds: int, tmp: Path) -> dict:
             print(f"  {precision} {variant} profiled: peak {', '.join(f'{p:,.0f}' for p in peaks)} MiB", flush=True)
         raw[precision] = runs
     return raw
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def ratio(lora: dict, full: dict) -> dict:
@@ -277,7 +273,7 @@ def markdown(r: dict) -> str:
         "checkpoints/step-N (apparent bytes: DeepSpeed's model/optimizer states, per-rank RNG states, the HF config "
         "and tokenizer). Time to save: from the first rank's rng_state file (the save's first write) to the newest "
         "file's timestamp; not fsynced, so the page cache absorbs the writes, as in a real run.",
-        "- Peak memory: one more run per variant through tools/bench/profiled_train.py, train.py's main under "
+        "- Peak memory: one more run per variant through tools/bench/runners/profiled_train.py, train.py's main under "
         "torch.profiler with profile_memory: the running sum of the CPU allocator's events per rank (torch tensors "
         "only, exact; not the Python heap or libraries); the spread is over the 2 ranks. A whole-run peak above "
         "both phase peaks lies outside them (loading the base, eval, the export at the end). The same run times "

@@ -5,7 +5,7 @@ peak memory and per-step loss parity.
     python tools/benchmark.py moe --quick      # a tiny Mixtral, 3 steps, profiled runs only (the test)
     python tools/benchmark.py moe --gpu        # the prepared GPU run (bf16, 2 GPUs); refuses a machine without
 
-The runs, the rotated rounds, the ratios within a round and the profiled per-rank peaks are parallel.py's
+The runs, the rotated rounds, the ratios within a round and the profiled per-rank peaks are parallel/benchmark.py's
 (its `measure` and `summarise` with these configurations); every configuration trains 2 ranks x micro m, each
 rank its own rows, so fp32 losses agree step by step. tokens/s and MFU in train.py's records count active
 FLOPs (moe.mlp_params: k experts per token), so a mixture of experts is not credited with every expert.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from zero_recipes.config.shipped import EXPERT_PARALLEL, select
 
-from .common import REPO, footer, new_report, write_report
-from .parallel import launch, measure, slug, summarise
-from .parallel_report import results_table
+from ..common import REPO, footer, new_report, write_report
+from ..parallel.benchmark import launch, measure, slug, summarise
+from ..parallel.report import results_table
 
 _Z = select("zero2", "zero3")
 CONFIGS: dict[str, tuple[int, tuple[str, ...], int]] = {

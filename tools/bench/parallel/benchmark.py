@@ -11,7 +11,7 @@ on 4 ranks (micro-batch m). Timed rounds rotate the order (A B C D, B C D A, ...
 hits all alike; each configuration's ratio to ZeRO-2 is taken within a round, then summarised over rounds.
 tokens/s: train.py's own per-step records in metrics.jsonl (counted once per TP group), the first `skip`
 steps (warm-up) left out. Per-rank peak memory: one more run per configuration under
-tools/bench/profiled_train.py (torch.profiler's allocator events, every rank).
+tools/bench/runners/profiled_train.py (torch.profiler's allocator events, every rank).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from pathlib import Path
 
 from zero_recipes.config.shipped import PRECISIONS, select
 
-from .common import REPO, free_port, new_report, run_checked, write_report
-from .lora import spread
-from .parallel_report import BASELINE, PARITY_TOL, SIZES, markdown
+from ..common import REPO, free_port, new_report, run_checked, spread, write_report
+from .report import BASELINE, PARITY_TOL, SIZES, markdown
 
 TP2 = "ds_configs/tp2.json"
 _Z = select("zero1", "zero2", "zero3")
@@ -78,7 +77,7 @@ def timed_run(name: str, size: dict, precision: str, out: Path, configs: dict = 
 def profiled_run(name: str, size: dict, precision: str, out: Path, configs: dict = CONFIGS) -> dict:
     """The same launch under the allocator profiler, every rank: its peaks (tokens/s slowed by the profiler)."""
     probe = out.with_name(out.name + "-probe")
-    module = ["--module", "bench.profiled_train"]
+    module = ["--module", "bench.runners.profiled_train"]
     cmd = launch(name, size, size["profiled_steps"], precision, out, module, configs) + ["--probe_out", str(probe)]
     run = read_run(out, run_checked(cmd, None, 3600, f"{name} (profiled): {' '.join(cmd)}"))
     ranks = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(configs[name][0])]

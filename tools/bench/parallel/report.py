@@ -1,12 +1,12 @@
-"""The tensor-parallelism report: benchmarks/parallel-DATE.md from the figures tools/bench/parallel.py
+"""The tensor-parallelism report: benchmarks/parallel-DATE.md from the figures tools/bench/parallel/benchmark.py
 measured, one function per section."""
 
 from __future__ import annotations
 
-from .common import footer, yes
-from .speed import HUNDRED_M
+from ..common import footer, yes
+from ..speed.benchmark import HUNDRED_M
 
-# What parallel.py runs and this report states: the baseline, the loss tolerance, the sizes
+# What benchmark.py runs and this report states: the baseline, the loss tolerance, the sizes
 BASELINE = "ZeRO-2"
 PARITY_TOL = 1e-5  # fp32, same rows per step: only the summation order differs
 SIZES = {
@@ -89,7 +89,7 @@ def method(r: dict) -> list[str]:
         )
         + f" Whole benchmark: {s['wall_seconds'] / 60:.1f} min wall time.",
         "- Per-rank peak memory: one more run per configuration "
-        f"({s['profiled_steps']} steps) through tools/bench/profiled_train.py, train.py's main under "
+        f"({s['profiled_steps']} steps) through tools/bench/runners/profiled_train.py, train.py's main under "
         "torch.profiler with profile_memory: the running sum of each rank's CPU allocator events (torch tensors "
         "only, exact; not the Python heap or libraries), the whole run (model build, steps, export), as the "
         "estimator and LoRA benchmarks measure it. Rank 0's RSS (psutil, metrics.jsonl): "

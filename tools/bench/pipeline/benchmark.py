@@ -9,11 +9,11 @@ ZeRO-1 (one pipeline of 2 stages, micro-batch 1, B micro-batches a step) train t
 sequences, each train.py through the real `deepspeed` launcher, in rotated rounds (A B C, B C A); tokens/s
 from train.py's own per-step records, paired step by step within a round (bench/paired.py), the first steps
 (warm-up) left out. Per-rank peak memory: one more run per configuration under the allocator profiler
-(bench/profiled_train.py; for PP2 bench/pipeline_probe.py, which profiles the same way). fp32 losses must
+(bench/runners/profiled_train.py; for PP2 bench/pipeline/probe.py, which profiles the same way). fp32 losses must
 agree step by step (the same rows each step).
 
 Part 2, the bubble: PP2 at micro-batch 1 and m = 1, 2, 4, 8 micro-batches a step, each under
-bench/pipeline_probe.py (every schedule instruction timed on every rank); bench/pipeline_bubble.py turns
+bench/pipeline/probe.py (every schedule instruction timed on every rank); bench/pipeline/bubble.py turns
 the records into the measured bubble, the formula's, the one the measured stage times predict and the one
 a fit of the step span against m implies.
 """
@@ -30,11 +30,11 @@ from pathlib import Path
 
 from zero_recipes.config.shipped import PIPELINE_PARALLEL, PRECISIONS, select
 
-from . import paired, pipeline_bubble
-from .common import REPO, free_port, new_report, run_checked, write_report
-from .lora import spread
-from .parallel import max_loss_delta, model_fields, read_run, slug
-from .pipeline_report import PARITY_TOL, PP, SIZES, markdown
+from .. import paired
+from ..common import REPO, free_port, new_report, run_checked, spread, write_report
+from ..parallel.benchmark import max_loss_delta, model_fields, read_run, slug
+from . import bubble
+from .report import PARITY_TOL, PP, SIZES, markdown
 
 _Z = select("zero1", "zero2")
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -45,8 +45,8 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 BASELINES = ("ZeRO-1", "ZeRO-2")
 RANKS = 2
 PROBES = {
-    "profiled_train": ["--module", "bench.profiled_train"],
-    "pipeline_probe": ["--module", "bench.pipeline_probe"],
+    "profiled_train": ["--module", "bench.runners.profiled_train"],
+    "pipeline_probe": ["--module", "bench.pipeline.probe"],
 }
 
 
@@ -91,7 +91,7 @@ def timed_run(name: str, size: dict, precision: str, out: Path) -> dict:
 
 def profiled_run(name: str, size: dict, precision: str, out: Path) -> dict:
     """The same launch under the allocator profiler on every rank: its peaks (tokens/s slowed by it). PP2's
-    goes through pipeline_probe.py, which profiles as profiled_train.py does and times the schedule too."""
+    goes through probe.py, which profiles as runners/profiled_train.py does and times the schedule too."""
     probe = out.with_name(out.name + "-probe")
     module = PROBES["pipeline_probe" if name == PP else "profiled_train"]
     cmd = config_launch(name, size, size["profiled_steps"], precision, out, module) + ["--probe_out", str(probe)]
@@ -126,7 +126,7 @@ def measure(size: dict, precision: str, tmp: Path) -> dict:
         print(f"  {name} profiled: per-rank peak {peaks} MiB", flush=True)
     for m in size["bubble_ms"]:
         raw["bubble"][m] = bubble_run(m, size, precision, tmp / f"b-m{m}")
-        rows = pipeline_bubble.summarise({m: raw["bubble"][m]["ranks"]}, size["bubble_skip"])["rows"]
+        rows = bubble.summarise({m: raw["bubble"][m]["ranks"]}, size["bubble_skip"])["rows"]
         print(
             f"  PP2 m = {m}: bubble {rows[0]['measured']['median']:.3f} (formula {rows[0]['formula']:.3f})", flush=True
         )
@@ -226,7 +226,7 @@ def report(size: dict, precision: str, raw: dict, wall: float) -> dict:
         settings=settings,
         parameters=count_params_meta(LlamaConfig(**model_fields(size["model"]))),
         configs=summarise(raw, size),
-        bubble=pipeline_bubble.summarise(sources, bubble_skip),
+        bubble=bubble.summarise(sources, bubble_skip),
         gpu_commands=gpu_commands(SIZES["gpu"]),
         raw={**raw, "bubble": {str(m): r for m, r in raw["bubble"].items()}},
     )

@@ -1,4 +1,4 @@
-"""The pipeline bubble from tools/bench/pipeline_probe.py's records: measured per step, from the textbook
+"""The pipeline bubble from tools/bench/pipeline/probe.py's records: measured per step, from the textbook
 formula, from the measured stage times, and from a straight-line fit of the step's span against m.
 
 One pipeline of p stages (one rank each) runs m micro-batches per optimizer step. The step's span is the
@@ -16,7 +16,7 @@ import statistics
 
 from zero_recipes.memory.pipeline import bubble
 
-from .lora import spread
+from ..common import spread
 
 BUSY = ("ForwardPass", "BackwardPass")
 COMM = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")

@@ -1,6 +1,6 @@
 """train.py's own main(), with DeepSpeed's pipeline schedule timed instruction by instruction on every rank.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.pipeline_probe <train.py's flags> --probe_out /tmp/p
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.pipeline.probe <train.py's flags> --probe_out /tmp/p
         [--profile_memory true]
 
 PipelineEngine.train_batch runs one step as a schedule of instructions (LoadMicroBatch, ForwardPass,
@@ -19,7 +19,7 @@ hook (_backward_prologue) starts it again, and the first backward dies on "bwd_m
 been started" (measured; DeepSpeed #745 is the same assertion outside pipelines).
 
 --profile_memory true: the run is also under torch.profiler's allocator events, as in
-tools/bench/profiled_train.py (its peaks, its marked train_step), and the export's gather of every stage's
+tools/bench/runners/profiled_train.py (its peaks, its marked train_step), and the export's gather of every stage's
 weights (PipelinedCausalLM.full_state_dict) is marked too: its own peak. Each rank writes
 <probe_out>.rank<N>.json.
 """
@@ -36,9 +36,9 @@ from pathlib import Path
 
 from zero_recipes.memory.probe import allocator_events, count_every_thread
 
-from .common import REPO
-from .profiled_train import instrument as profiled_instrument, peaks
-from .workload import pop_flag
+from ..common import REPO
+from ..runners.profiled_train import instrument as profiled_instrument, peaks
+from ..runners.workload import pop_flag
 
 OPTIMIZER = "OptimizerStep"
 BUSY = ("ForwardPass", "BackwardPass")  # each one's (name, start, end) is kept: when the stages overlapped
@@ -149,7 +149,7 @@ def gather_peak(prof) -> int:
 
 def instrument(steps: list, seen: dict, memory: bool):
     """train.py's `instrument` hook: the loop it assembled, its runner timed (and, for the allocator
-    profile, marked as profiled_train.py marks it); the engine's stage is noted in `seen`."""
+    profile, marked as runners/profiled_train.py marks it); the engine's stage is noted in `seen`."""
     marked = profiled_instrument([])
 
     def wrap(run):

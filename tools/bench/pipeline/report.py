@@ -1,10 +1,10 @@
-"""The pipeline-parallelism report: benchmarks/pipeline-DATE.md from the figures tools/bench/pipeline.py
+"""The pipeline-parallelism report: benchmarks/pipeline-DATE.md from the figures tools/bench/pipeline/benchmark.py
 measured, one function per section."""
 
 from __future__ import annotations
 
-from . import paired
-from .common import footer, yes
+from .. import paired
+from ..common import footer, yes
 
 PP = "PP2 (ZeRO-1)"
 PARITY_TOL = 1e-5  # fp32, the same rows per step: only the summation order differs
@@ -312,7 +312,7 @@ def method(r: dict) -> list[str]:
         )
         + f" Whole benchmark: {s['wall_seconds'] / 60:.1f} min wall time.",
         f"- Per-rank peak memory: one more run per configuration ({s['profiled_steps']} steps) under "
-        "torch.profiler with profile_memory (bench/profiled_train.py; PP2's through bench/pipeline_probe.py, "
+        "torch.profiler with profile_memory (bench/runners/profiled_train.py; PP2's through bench/pipeline/probe.py, "
         "the same profiling): the running sum of each rank's CPU allocator events, torch tensors only, the whole "
         "run (model build, steps, save, export), within the optimizer steps and, for PP2, within the export's "
         "gather of every stage's weights (PipelinedCausalLM.full_state_dict, marked by the probe).",
@@ -330,7 +330,7 @@ def bubble_method(r: dict) -> list[str]:
         "profiler (which slows every op)"
     )
     return [
-        "- Bubble: PP2 through bench/pipeline_probe.py, train.py's main with the engine's `_INSTRUCTION_MAP` "
+        "- Bubble: PP2 through bench/pipeline/probe.py, train.py's main with the engine's `_INSTRUCTION_MAP` "
         "replaced (on that engine only) by wrappers that read a clock around each of DeepSpeed's own "
         "instruction methods, on every rank: nothing else in the run changes. Per step: the span from the "
         "first ForwardPass's start on any stage to the last BackwardPass's end on any stage (one clock, "

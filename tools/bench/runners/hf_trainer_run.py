@@ -2,8 +2,8 @@
 same DeepSpeed JSON fragments, model config and seeded init, rows and per-rank order, micro-batch,
 accumulation, steps, optimizer (torch's fused AdamW, the Trainer's default and ours) and schedule as train.py.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.hf_trainer_run <train.py flags> --timing_out t.json \
-        [--window 5] [--phases_out p.json]      # p.json: where the step's time goes (bench/phases.py)
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.runners.hf_trainer_run <train.py flags> --timing_out t.json \
+        [--window 5] [--phases_out p.json]      # p.json: where the step's time goes (bench/runners/phases.py)
 
 Two things the Trainer needs on a CPU (both seen here): accelerate's PartialState must be created with the
 gloo backend before TrainingArguments, or every rank believes it is rank 0; and its bf16 check assumes a

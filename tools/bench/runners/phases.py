@@ -1,9 +1,10 @@
 """Where a training step's wall time goes, measured the same way for every runner: torch.profiler over the
 steady steps, with DeepSpeed's engine calls marked.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.phases <train.py flags> --phases_out p.json [--window 3]
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.runners.phases <train.py flags> --phases_out p.json \
+        [--window 3]
 
-runs train.py's own main(); tools/bench/hf_trainer_run.py takes the same --phases_out. Both runners drive the
+runs train.py's own main(); tools/bench/runners/hf_trainer_run.py takes the same --phases_out. Both runners drive the
 same DeepSpeedEngine, so its `forward`, `backward` and `step` are marked at the class (record_function), which
 every caller goes through: train.py's runner and accelerate's wrapper alike. The profile covers the steps after
 the first window (warm-up) and is split into:
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO
+from ..common import REPO
 from .workload import pop_flag
 
 ENGINE_CALLS = ("forward", "backward", "step")

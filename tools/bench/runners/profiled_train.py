@@ -1,6 +1,6 @@
 """train.py's own main(), run under torch.profiler's allocator events, for a per-rank peak memory.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.profiled_train <train.py's flags> --probe_out /tmp/p
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.runners.profiled_train <train.py's flags> --probe_out /tmp/p
 
 Nothing in the run changes: train.py is loaded from the repository root and its main() called with the same
 flags. Every allocation and free of torch's CPU allocator is a profiler event, so the live bytes at each
@@ -9,7 +9,7 @@ moment are their running sum (the method of zero_recipes/memory/probe.py): exact
 non-torch memory (the Python heap, libraries). Two calls are marked with record_function, so the peak is also
 split by phase: each optimizer step (the runner's train_step) and each checkpoint save (Checkpointer.save), which is
 timed here too. Each rank writes <probe_out>.rank<N>.json. With `--no_checkpoints` the run saves none
-(bench/unsaved_train.py's checkpointer: the GPU benchmark's --quick, whose GPU runs save none either).
+(bench/runners/unsaved_train.py's checkpointer: the GPU benchmark's --quick, whose GPU runs save none either).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from zero_recipes.memory.probe import allocator_events, count_every_thread
 
-from .common import REPO
+from ..common import REPO
 from .unsaved_train import NoCheckpoints
 from .workload import pop_flag
 

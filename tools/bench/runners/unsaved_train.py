@@ -1,6 +1,7 @@
 """train.py's own main() without its checkpoints, for the benchmarks that measure a run and keep none of it.
 
-    PYTHONPATH=tools python -m torch.distributed.run --nproc_per_node 1 --module bench.unsaved_train <train.py flags>
+    PYTHONPATH=tools python -m torch.distributed.run --nproc_per_node 1 --module bench.runners.unsaved_train \
+        <train.py flags>
 
 train.py saves a DeepSpeed checkpoint at the end of every run (`--save_steps 0` still saves the last step). For
 the GPU benchmark's 1B model that is 14 bytes a parameter (bf16 weights, fp32 master and Adam's two moments),
@@ -16,7 +17,7 @@ import runpy
 import sys
 import traceback
 
-from .common import REPO
+from ..common import REPO
 
 SKIPPED = "none (this benchmark keeps no checkpoints)"
 

@@ -1,6 +1,6 @@
 """The identical work every speed runner does: train.py's flags, tokenizer, prepared rows, batch order,
 model config and resolved DeepSpeed config, built with train.py's own modules. The baselines
-(bare_loop.py, hf_trainer_run.py) start here, so only the training loop differs between the three.
+(speed/bare_loop.py, hf_trainer_run.py) start here, so only the training loop differs between the three.
 
 Timing is the same for all: wall time of each window of `window` optimizer steps, measured on rank 0 at
 the step boundary, written as JSON to --timing_out.

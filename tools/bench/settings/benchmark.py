@@ -15,8 +15,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
-from .speed import HUNDRED_M
+from ..common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from ..speed.benchmark import HUNDRED_M
 
 # (name, shipped config, fragment on top). The first variant of each stage is the shipped baseline.
 VARIANTS = [
@@ -88,7 +88,7 @@ def run_variant(base: str, fragment: dict, size: dict, out: Path) -> dict:
 
 
 def stop_check_seconds(calls: int) -> float:
-    """Median seconds of one StopRequest.agreed() across 2 ranks (tools/bench/stop_probe.py)."""
+    """Median seconds of one StopRequest.agreed() across 2 ranks (tools/bench/settings/stop_probe.py)."""
     out = Path(tempfile.mkdtemp(prefix="zr-bench-stop-")) / "stop.json"
     run_checked(
         [
@@ -98,7 +98,7 @@ def stop_check_seconds(calls: int) -> float:
             "--master_port",
             str(free_port()),
             "--module",
-            "bench.stop_probe",
+            "bench.settings.stop_probe",
             str(out),
             str(calls),
         ],

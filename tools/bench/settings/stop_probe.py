@@ -1,6 +1,6 @@
 """Time train.py's per-step preemption check on its own: StopRequest.agreed() in a real 2-rank world.
 
-PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.stop_probe OUT.json CALLS
+PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.settings.stop_probe OUT.json CALLS
 """
 
 import json

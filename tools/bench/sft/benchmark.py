@@ -2,12 +2,12 @@
 
 Every runner is a real 2-rank `deepspeed` launch with the same DeepSpeed JSON, model config and seeded init,
 tokenizer and chat template, torch AdamW, schedule, micro-batch of rows, max length and one epoch:
-- train.py: packed SFT (its default), through tools/bench/sft_train_run.py;
-- TRL SFTTrainer, packing (best-fit decreasing, padding-free), completion-only loss (sft_peer_run.py);
-- HF Trainer: prompt-masked labels, DataCollatorForSeq2Seq, group_by_length (sft_peer_run.py);
+- train.py: packed SFT (its default), through tools/bench/sft/train_run.py;
+- TRL SFTTrainer, packing (best-fit decreasing, padding-free), completion-only loss (peer_run.py);
+- HF Trainer: prompt-masked labels, DataCollatorForSeq2Seq, group_by_length (peer_run.py);
 - train.py on pretraining text, same model and block size: the limit SFT's real tokens/s is held against.
 
-All four read their steps the same way (sft_probe.py). Runners alternate in rotated rounds and each timing
+All four read their steps the same way (probe.py). Runners alternate in rotated rounds and each timing
 ratio is the median of window-paired ratios with a bootstrap interval (paired.py). Each runner has its own
 fresh data caches in round 1 (its cold time to first step) and reuses them afterwards (cached).
 """
@@ -21,9 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import packed_rows, paired, sft_startup
-from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
-from .sft_data import as_prompt_completion, padding_share, skewed_chats, write_jsonl
+from .. import paired
+from ..common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from . import packed_rows, startup as sft_startup
+from .data import as_prompt_completion, padding_share, skewed_chats, write_jsonl
 
 # conversations: train set; eval: held out; block: row length (max_length); micro: rows per rank and step; rounds;
 # windows per run after warmup steps; text_steps: the text run's length (about the packed SFT epoch); longest: the
@@ -35,10 +36,10 @@ FULL = dict(
 )  # fmt: skip
 QUICK = dict(conversations=120, eval=8, block=512, micro=2, rounds=1, windows=2, warmup=1, text_steps=12, longest=460)
 RUNNERS = {
-    "train.py": ["--module", "bench.sft_train_run"],
-    "TRL SFTTrainer": ["--module", "bench.sft_peer_run", "--peer", "trl"],
-    "HF Trainer": ["--module", "bench.sft_peer_run", "--peer", "hf"],
-    "train.py, text": ["--module", "bench.sft_train_run"],
+    "train.py": ["--module", "bench.sft.train_run"],
+    "TRL SFTTrainer": ["--module", "bench.sft.peer_run", "--peer", "trl"],
+    "HF Trainer": ["--module", "bench.sft.peer_run", "--peer", "hf"],
+    "train.py, text": ["--module", "bench.sft.train_run"],
 }
 GOALS = {"vs_trl": 1.0, "vs_hf": 1.2, "sft_vs_text": 0.9, "first_step_vs_trl": 0.5, "half_width": 0.03}
 
@@ -79,7 +80,7 @@ def rendered_length(row: dict, tok) -> int:
 
 def flags(runner: str, s: dict, work: dict) -> list[str]:
     """`s` may also carry `model` (fields over the embedded Llama's) and `fragments` (after zero2.json): the GPU
-    benchmark's (tools/bench/gpu_parts.py) larger bf16 model."""
+    benchmark's (tools/bench/gpu/parts.py) larger bf16 model."""
     out = [
         "--deepspeed",
         "ds_configs/zero2.json",
@@ -132,7 +133,7 @@ def command(runner: str, s: dict, work: dict, out: Path, ranks: int = 2) -> list
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
     cmd = [*launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), *RUNNERS[runner]]
     cmd += flags(runner, s, work) + ["--probe_out", str(out / "probe")]
-    if RUNNERS[runner][1] == "bench.sft_train_run":
+    if RUNNERS[runner][1] == "bench.sft.train_run":
         cmd += ["--output_dir", str(out / "run")]
     return cmd
 
@@ -305,7 +306,7 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         "- label tokens: the targets the loss counts; real: non-padding positions; padding: the share of computed "
-        "positions that were padding (tools/bench/sft_data.py).",
+        "positions that were padding (tools/bench/sft/data.py).",
         "- held-out loss: every runner's trained model scored by the same code on the same "
         f"{s['eval']} held-out conversations (mean over assistant tokens).",
         "- first step: process start to the end of the first optimizer step; round 1 ran with empty data caches "
@@ -323,7 +324,7 @@ def attention_notes(a: dict | None) -> list[str]:
         return []
     return [
         f"- One forward+backward of two packed rows ({' and '.join(map(str, a['examples_per_row']))} examples; "
-        "bench/packed_rows.py, 1 thread), "
+        "bench/sft/packed_rows.py, 1 thread), "
         f"text / transformers' block mask / train.py's per-example sdpa: {attention_line(a)}. The mask makes "
         "attention grow with the row; the per-example split (zero_recipes/modeling/packed_attention.py) with the examples; "
         "on GPUs flash-attention's varlen kernel does the same (`--attn_implementation flash_attention_2`).",

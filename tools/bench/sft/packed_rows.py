@@ -16,7 +16,7 @@ import time
 
 def rows(block: int, high: int) -> list[list[int]]:
     """Two rows filled in order with the benchmark's lengths (plus the chat template's ~12 tokens)."""
-    from .sft_data import skewed_lengths
+    from .data import skewed_lengths
 
     out, cur = [], []
     for n in skewed_lengths(400, seed=0, high=high):

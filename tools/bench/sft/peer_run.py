@@ -1,6 +1,6 @@
 """The SFT benchmark's two peers, run the way their users run them, on train.py's flags:
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_peer_run --peer trl <train.py flags> \
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft.peer_run --peer trl <train.py flags> \
         --probe_out P --eval_file E [--prompt_completion_file F]
 
 - `--peer trl`: TRL's SFTTrainer with packing as its docs recommend (`packing=True`: best-fit decreasing
@@ -11,7 +11,7 @@
 
 Both get the model train.py would build (same config, seeded init), the same tokenizer and chat template, the
 raw DeepSpeed JSON (the Trainer fills its "auto"s), torch AdamW, the schedule and one epoch. On a CPU the
-Trainer needs accelerate's PartialState made with gloo before its arguments (hf_trainer_run.py says why).
+Trainer needs accelerate's PartialState made with gloo before its arguments (runners/hf_trainer_run.py says why).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from .hf_trainer_run import same_training
-from .sft_data import masked_example
-from .sft_probe import StepProbe
-from .workload import pop_flag
+from ..runners.hf_trainer_run import same_training
+from ..runners.workload import pop_flag
+from .data import masked_example
+from .probe import StepProbe
 
 
 def common_arguments(cfg, raw_ds: dict, precision: str, cuda: bool) -> dict:

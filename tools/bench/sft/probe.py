@@ -18,7 +18,7 @@ import resource
 import time
 from pathlib import Path
 
-from .sft_data import batch_tokens, masked_example
+from .data import batch_tokens, masked_example
 
 
 def wait_for(device) -> None:

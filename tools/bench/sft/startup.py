@@ -1,4 +1,5 @@
-"""The SFT benchmark's breakdown of time to first step, train.py against TRL, cold and cached (bench/startup.py).
+"""The SFT benchmark's breakdown of time to first step, train.py against TRL, cold and cached
+(bench/sft/startup_probe.py).
 
 For each of the two runners: one launch with fresh data caches (cold) and one with the caches its timed
 rounds built (cached), each stopped when its first optimizer step is done; --quick runs the cached ones only.
@@ -13,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .common import free_port, run_checked
+from ..common import free_port, run_checked
 
 RUNNERS = ("train.py", "TRL SFTTrainer")
 STATES = ("cold", "cached")
@@ -28,8 +29,8 @@ def launch(cmd_of, env_of, runner: str, tmp: Path, state: str) -> dict:
     out = tmp / "startup" / f"{name}-{state}"
     out.mkdir(parents=True)
     cmd = cmd_of(runner, out)
-    module = cmd.index("--module")  # `--module bench.X` -> `--module bench.startup --startup_out S bench.X`
-    cmd[module + 1 : module + 1] = ["bench.startup", "--startup_out", str(out / "startup")]
+    module = cmd.index("--module")  # `--module bench.X` -> `--module bench.sft.startup_probe --startup_out S bench.X`
+    cmd[module + 1 : module + 1] = ["bench.sft.startup_probe", "--startup_out", str(out / "startup")]
     cmd[cmd.index("--master_port") + 1] = str(free_port())
     run_checked(cmd, env_of(runner, state == "cold"), 1800, f"{runner} ({state}, traced)")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("startup.rank*.json"))]
@@ -91,7 +92,8 @@ def markdown(breakdown: dict) -> list[str]:
         return []
     lines = [
         "",
-        "Where the time to first step goes (seconds, mean of the two ranks; tools/bench/startup.py: each module's "
+        "Where the time to first step goes (seconds, mean of the two ranks; tools/bench/sft/startup_probe.py: "
+        "each module's "
         "own execution time goes to its package, or to the heavy package that imported it; phases exclude the "
         "imports inside them; traced launches, so a little slower than the rounds above):",
         "",

@@ -1,7 +1,8 @@
 """Where a rank's time to first step goes: imports by package, then each start-up phase, up to the first
 optimizer step done; the SFT benchmark runs it for train.py and TRL, cold and cached.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.startup --startup_out S bench.sft_train_run <its flags>
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft.startup_probe --startup_out S \
+        bench.sft.train_run <its flags>
 
 This module imports only the standard library before it installs its finder, then runs the given module as
 __main__ unchanged. Nothing is imported early or in another order, so the run starts as it always does:

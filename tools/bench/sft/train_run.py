@@ -1,10 +1,10 @@
 """train.py under the SFT benchmark's probe: its own main() with its flags, only its checkpoint left out.
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft_train_run <train.py flags> --probe_out P --eval_file E
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.sft.train_run <train.py flags> --probe_out P --eval_file E
 
 train.py's `instrument` hook hands the probe the assembled loop before it runs: the model (hooked by
-tools/bench/sft_probe.py), the pad id and the block size; nothing of the run changes but its checkpoint, which
-is not saved (bench/unsaved_train.py: nothing reads it, and the GPU benchmark's lease has no time for it; TRL
+tools/bench/sft/probe.py), the pad id and the block size; nothing of the run changes but its checkpoint, which
+is not saved (bench/runners/unsaved_train.py: nothing reads it, and the GPU benchmark's lease has no time for it; TRL
 saves none either). The tokenizer (with its chat template) for the held-out loss is loaded afterwards, from the
 cache train.py built.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 import runpy
 import sys
 
-from .common import REPO
-from .sft_probe import StepProbe
-from .unsaved_train import without_checkpoints
-from .workload import pop_flag
+from ..common import REPO
+from ..runners.unsaved_train import without_checkpoints
+from ..runners.workload import pop_flag
+from .probe import StepProbe
 
 
 def main(argv: list[str]) -> int:

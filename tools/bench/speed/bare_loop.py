@@ -1,8 +1,8 @@
 """The floor: train.py's own training step (runner.EagerRunner) over the same rows, model, optimizer and config,
 with nothing of fit() around it (no logging, eval, NaN check, preemption check or checkpoint).
 
-    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.bare_loop <train.py flags> --timing_out t.json [--window 5] \
-        [--profile_out ops.txt]      # rank 0's op table over the steps after the first window (torch.profiler)
+    PYTHONPATH=tools deepspeed --num_gpus 2 --module bench.speed.bare_loop <train.py flags> --timing_out t.json \
+        [--window 5] [--profile_out ops.txt]  # rank 0's op table over the steps after the first window (torch.profiler)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .workload import WindowClock, pop_flag, setup
+from ..runners.workload import WindowClock, pop_flag, setup
 
 
 def main(argv: list[str]) -> int:

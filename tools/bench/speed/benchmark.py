@@ -5,7 +5,7 @@ in rotated rounds (A B C D, B C D A, ...) and every ratio is the median of windo
 with a bootstrap interval (paired.py), so drift in machine load cancels. All three
 take train.py's flags, build the same model (same config, same seeded init), the same rows in the same
 per-rank order, the same torch AdamW and schedule and the same resolved DeepSpeed config; the baselines
-start from tools/bench/workload.py. Throughput is tokens/s over windows of steps, measured at the step
+start from tools/bench/runners/workload.py. Throughput is tokens/s over windows of steps, measured at the step
 boundary; the first window (warm-up: allocation, first-touch, JIT) is left out.
 """
 
@@ -16,8 +16,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from . import paired
-from .common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from .. import paired
+from ..common import REPO, footer, free_port, new_report, run_checked, write_report, yes
 
 HUNDRED_M = {
     "hidden_size": 768,
@@ -33,8 +33,8 @@ SIZES = {  # name: (model_config or None for the embedded tiny Llama, block, mic
 QUICK = {"tiny": (None, 64, 4, 6, 2)}
 RUNNERS = {
     "train.py": ["train.py"],
-    "HF Trainer": ["--module", "bench.hf_trainer_run"],  # after the launcher's flags
-    "bare DeepSpeed loop": ["--module", "bench.bare_loop"],
+    "HF Trainer": ["--module", "bench.runners.hf_trainer_run"],  # after the launcher's flags
+    "bare DeepSpeed loop": ["--module", "bench.speed.bare_loop"],
     "train.py --torch_compile": ["train.py"],
 }
 EXTRA = {"train.py --torch_compile": ["--torch_compile", "true"]}  # compile time falls in the warm-up window

@@ -1,4 +1,4 @@
-"""Where the step's time goes, train.py against the HF Trainer on the speed benchmark's work (bench/phases.py).
+"""Where the step's time goes, train.py against the HF Trainer on the speed benchmark's work (bench/runners/phases.py).
 
     python tools/benchmark.py profile                 # 100M Llama, ZeRO-2, fp32, 2 ranks (about 6 minutes)
     python tools/benchmark.py profile --quick         # the embedded tiny Llama, 6 steps (the test)
@@ -16,13 +16,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from .common import REPO, footer, free_port, new_report, run_checked, write_report
-from .speed import QUICK, SIZES, flags
+from ..common import REPO, footer, free_port, new_report, run_checked, write_report
+from .benchmark import QUICK, SIZES, flags
 
 RUNNERS = {  # name: (module, extra flags)
-    "train.py, adamw_torch": ("bench.phases", ["--optim", "adamw_torch"]),
-    "train.py": ("bench.phases", []),
-    "HF Trainer": ("bench.hf_trainer_run", []),
+    "train.py, adamw_torch": ("bench.runners.phases", ["--optim", "adamw_torch"]),
+    "train.py": ("bench.runners.phases", []),
+    "HF Trainer": ("bench.runners.hf_trainer_run", []),
 }
 COLUMNS = ("forward", "backward", "step", "collectives", "optimizer", "outside_engine", "step_wall")
 
@@ -34,7 +34,7 @@ def profile_one(runner: str, size, tmp: Path) -> dict:
     out = tmp / f"{tag}.json"
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", module]
     cmd += flags(size) + extra + ["--phases_out", str(out), "--window", str(window)]
-    if module == "bench.phases":
+    if module == "bench.runners.phases":
         cmd += ["--logging_steps", str(window), "--eval_steps", "0", "--save_steps", "0"]
         cmd += ["--output_dir", str(tmp / tag)]
     else:
@@ -49,7 +49,7 @@ def markdown(r: dict) -> str:
         "",
         f"Command: `{r['command']}`",
         "",
-        "Mean seconds per optimizer step on rank 0 (torch.profiler, tools/bench/phases.py); forward, backward "
+        "Mean seconds per optimizer step on rank 0 (torch.profiler, tools/bench/runners/phases.py); forward, backward "
         "and step are the DeepSpeed engine's calls, collectives and optimizer lie inside them.",
         "",
         "| runner | forward | backward | engine step | collectives | optimizer step | outside the engine | step |",

@@ -1,0 +1,1 @@
+"""The data benchmark: preparation throughput, time to first step and packing utilisation."""

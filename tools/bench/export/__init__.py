@@ -1,0 +1,1 @@
+"""The export benchmark: peak host memory of tools/export_hf.py."""

@@ -1,0 +1,1 @@
+"""The LoRA benchmark: LoRA against full fine-tuning of the same base."""

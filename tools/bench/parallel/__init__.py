@@ -1,0 +1,1 @@
+"""The tensor-parallelism benchmark: TP against ZeRO on the same work."""

@@ -1,0 +1,1 @@
+"""The pipeline-parallelism benchmark: PP2 against ZeRO, and the pipeline bubble."""
