@@ -194,6 +194,7 @@ def pct(r: dict) -> str:
     return "n/a" if r["value"] is None else f"{100 * r['value']:.1f} % ({r['hit']}/{r['total']})"
 
 
+# one list of the page's lines, top to bottom: split, its sections would only pass the same dict along
 def markdown(r: dict) -> str:
     a, e = r["all_steps"], r["exact_only"]
     s, b = a["scores"], e["scores"]

@@ -252,6 +252,7 @@ def summarise(m: dict, s: dict) -> dict:
     }
 
 
+# one list of the page's lines, top to bottom: split, its sections would only pass the same dict along
 def markdown(r: dict) -> str:
     s, d, q = r["settings"], r["data"], r["ratios"]
     p = d["length_percentiles"]
