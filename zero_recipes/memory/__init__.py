@@ -6,10 +6,11 @@ from .compute import training_compute  # noqa: F401
 from .estimate import (  # noqa: F401
     Estimate,
     Launch,
+    Precomputed,
     estimate,
     fit_verdict,
-    for_run,
     parse_memory,
     rank_total,
 )
+from .run_estimate import for_run  # noqa: F401
 from .shape import ModelShape  # noqa: F401

@@ -20,23 +20,17 @@ from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.sequence_parallel import check_split
 
 from ..errors import ConfigError
-from . import moe as moe_memory
+from . import host_memory, moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
 from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, phases
 
-UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# bytes per unit of a memory size as written: decimal (kb ... tb) and binary (kib ... tib)
+UNITS = (
+    {"": 1, "b": 1}
+    | {u + "b": 1000**i for i, u in enumerate("kmgt", 1)}
+    | {u + "ib": 1024**i for i, u in enumerate("kmgt", 1)}
+)
 
 # What a GPU needs beyond the peak of torch's allocations, which is all the estimate counts. Outside the
 # allocator: the CUDA context with torch's kernels (about 0.3-0.6 GiB with CUDA's lazy loading) and NCCL's
@@ -132,72 +126,52 @@ class Estimate:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Precomputed:
+    """What a caller has already worked out for the launch it estimates, so that a sweep (table.py, longest.py,
+    moe_advice.py) works it out once rather than once a cell; None: the estimate works it out."""
+
+    shape: ModelShape | None = None
+    activations: Activations | None = None
+    """Without a pipeline: the launch's activations (activations.activation_bytes), in the run's dtype."""
+    stage_traces: list | None = None
+    """Under a pipeline: every stage's activations (pipeline_trace.all_stages)."""
+
+
 def estimate(
     model_config,
     ds: dict,
     launch: Launch,
-    shape: ModelShape | None = None,
-    activations: Activations | None = None,
     gpu_memory: int | None = None,
     lora=None,
     load_in_4bit: bool = False,
-    stage_traces: list | None = None,
+    precomputed: Precomputed | None = None,
 ) -> Estimate:
     """`ds` is a resolved DeepSpeed config (zero_recipes.ds.intake.resolve), as train.py uses it; `lora` a peft
-    LoraConfig (zero_recipes.adapters.lora.lora_config) for a LoRA run, else None. Under pipeline parallelism every stage
-    is estimated and the worst one reported (`_pipelined`); `stage_traces`, its stages' activations
-    (pipeline.stage_activations) when already traced, as `activations` is without it."""
-    mesh = Mesh.of(launch.world, ds)
-    mesh.check()  # what train.py refuses of the mesh, and of its axes with the ZeRO stage, refused the same way
-    combinations.refuse(combinations.modes(mesh.sizes, zero_stage(ds), "full"))
-    tp, sp = mesh.tp, mesh.sp
-    if sp > 1:
-        check_split(sp, model_config, launch.seq_len, "the sequence length", "--seq_len")
-    if mesh.pp > 1:
-        from zero_recipes.parallel.pipeline.layers import refusal
-
-        if problem := refusal(model_config, mesh.pp):  # a family or stage count train.py cannot split
-            raise ConfigError(problem)
-    shape = shape or ModelShape.of(model_config, lora, load_in_4bit, tp, ds.get("tensor_parallel"))
-    if shape.tp != tp:
-        raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {tp}")
-    precision = ds_precision(ds)
-    p = 4 if precision == "fp32" else 2
-    off_opt, off_par = offloads(ds)
-    zero = ds.get("zero_optimization", {})
+    LoraConfig (zero_recipes.adapters.lora.lora_config) for a LoRA run, else None. Under pipeline parallelism
+    every stage is estimated and the worst one reported (`_pipelined`)."""
+    known = precomputed or Precomputed()
+    mesh = checked_mesh(model_config, ds, launch)
+    shape = known.shape or ModelShape.of(model_config, lora, load_in_4bit, mesh.tp, ds.get("tensor_parallel"))
+    if shape.tp != mesh.tp:
+        raise ValueError(f"a ModelShape of tensor-parallel size {shape.tp} given for a config of size {mesh.tp}")
     # a mixture of experts under EP: a rank holds the dense weights and E/ep of each layer's experts (moe.py)
     experts = moe_memory.split(model_config, shape.model_params, mesh.ep, launch.world)
-    held, shards = shape, mesh.zero_shards
-    if experts is not None and experts.ep > 1:
-        largest = moe_memory.held_largest(model_config, shape.largest_param, experts)
-        held = replace(shape, num_params=experts.held, largest_param=largest, full_params=shape.model_params)
-        shards = experts.zero_world
-    setup = _setup(held, shards, zero_stage(ds), p, precision, off_opt, off_par, zero, launch)
+    held, shards = _held(model_config, shape, mesh, experts)
+    setup = _setup(held, shards, ds, launch)
     if mesh.pp > 1:
-        return _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memory, stage_traces)
+        return _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, known.stage_traces)
     by_phase = phases(setup)
-    if activations is None:
-        activations = _traced(model_config, launch, p, lora, tp, shape, sp)
-    in_loss = tiled_head_gradient(model_config, launch, sp, p, mesh.zero_shards, shape)
+    activations = known.activations or _traced(model_config, launch, setup.bytes_per_param, lora, mesh, shape)
+    in_loss = tiled_head_gradient(model_config, launch, mesh, setup.bytes_per_param, shape)
     if experts is not None:
-        cap = live_parameter_cap(zero)
-        by_phase = moe_memory.adjust_phases(
-            by_phase,
-            experts,
-            setup.stage,
-            p,
-            cap,
-            setup.load_bytes,
-            0 if off_opt else setup.adam_temporaries,
-            launch.accelerator == "gpu",
-            launch.gradient_checkpointing,
-        )
+        by_phase = _expert_phases(by_phase, experts, setup, launch)
         in_loss += moe_memory.ep_activation_bytes(
             model_config,
             experts,
             launch.micro_batch_size,
             launch.seq_len,
-            p,
+            setup.bytes_per_param,
             launch.gradient_checkpointing,
             launch.expert_imbalance,
         )
@@ -210,10 +184,51 @@ def estimate(
             "optimizer_step": [(by_phase["optimizer_step"], 0)],
         }
     )
-    e = _result(table, held, setup, precision, launch, mesh, gpu_memory, activations.method)
+    e = _result(table, held, setup, ds_precision(ds), launch, mesh, gpu_memory, activations.method)
     if experts is not None:
         e.moe = {**experts.as_json(), "expert_imbalance": launch.expert_imbalance if experts.ep > 1 else None}
     return e
+
+
+def checked_mesh(model_config, ds: dict, launch: Launch) -> Mesh:
+    """The launch's parallel sizes (Mesh.of: the one place the estimate reads them), refused where train.py refuses
+    them: the axes with each other, the world and the ZeRO stage, and the model's split along SP and PP."""
+    mesh = Mesh.of(launch.world, ds)
+    mesh.check()
+    combinations.refuse(combinations.modes(mesh.sizes, zero_stage(ds), "full"))
+    if mesh.sp > 1:
+        check_split(mesh.sp, model_config, launch.seq_len, "the sequence length", "--seq_len")
+    if mesh.pp > 1:
+        from zero_recipes.parallel.pipeline.layers import refusal
+
+        if problem := refusal(model_config, mesh.pp):  # a family or stage count train.py cannot split
+            raise ConfigError(problem)
+    return mesh
+
+
+def _held(model_config, shape: ModelShape, mesh: Mesh, experts) -> tuple[ModelShape, int]:
+    """What one rank holds before ZeRO partitions it, and the ranks ZeRO partitions it over: under expert
+    parallelism the dense weights and its experts, over the ranks holding the same experts."""
+    if experts is None or experts.ep == 1:
+        return shape, mesh.zero_shards
+    largest = moe_memory.held_largest(model_config, shape.largest_param, experts)
+    held = replace(shape, num_params=experts.held, largest_param=largest, full_params=shape.model_params)
+    return held, experts.zero_world
+
+
+def _expert_phases(by_phase: dict, experts, setup: Setup, launch: Launch) -> dict:
+    """states.phases' result with a mixture of experts' terms (moe.adjust_phases)."""
+    return moe_memory.adjust_phases(
+        by_phase,
+        experts,
+        setup.stage,
+        setup.bytes_per_param,
+        live_parameter_cap(setup.zero),
+        setup.load_bytes,
+        0 if setup.offload_optimizer else setup.adam_temporaries,
+        launch.accelerator == "gpu",
+        launch.gradient_checkpointing,
+    )
 
 
 def phase_table(candidates: dict) -> dict:
@@ -236,7 +251,7 @@ def _result(table: dict, shape, setup: Setup, precision: str, launch, mesh, gpu_
     """The Estimate of one rank's phase table: its peak phase, the host memory per node and the verdict."""
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
-    per_node = _per_node(table, shape, setup, phases(setup)["init"].host_buffers, launch.num_gpus)
+    per_node = host_memory.per_node(table, shape, setup, phases(setup)["init"].host_buffers, launch.num_gpus)
     per_gpu = {
         "peak_bytes": top["device_bytes"],
         "peak_phase": peak_phase,
@@ -264,7 +279,7 @@ def _result(table: dict, shape, setup: Setup, precision: str, launch, mesh, gpu_
     )
 
 
-def _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memory, traced) -> Estimate:
+def _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, traced) -> Estimate:
     """Every stage's phases (pipeline.py: its parameters as DeepSpeed splits them, its activations under the 1F1B
     schedule); the Estimate is the worst stage's, with each stage's peak in `pipeline`."""
     import dataclasses
@@ -275,6 +290,7 @@ def _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memo
     m = pipeline.micro_batches(ds)
     split = pipeline.split(model_config, mesh.pp, pipeline.pipeline_block(ds, launch.world)["partition"], m)
     traced = traced or all_stages(model_config, split, m, launch, setup.bytes_per_param)
+    precision = ds_precision(ds)
     bf16 = bf16_optimizer.applies(setup.stage, precision, pipeline=True)
     rows = []
     for st in split:
@@ -292,18 +308,20 @@ def _pipelined(model_config, ds, launch, mesh, shape, setup, precision, gpu_memo
     return e
 
 
-def _setup(shape: ModelShape, dp: int, stage: int, p: int, precision: str, off_opt, off_par, zero: dict, launch):
-    """The model states' inputs (states.Setup) for this shape, ZeRO config and launch."""
+def _setup(shape: ModelShape, dp: int, ds: dict, launch: Launch) -> Setup:
+    """The model states' inputs (states.Setup) for this shape, over `dp` ranks, by this DeepSpeed config and launch."""
+    precision = ds_precision(ds)
+    off_opt, off_par = offloads(ds)
     return Setup(
         shape.num_params,
         shape.largest_param,
         dp,
-        stage,
-        p,
+        zero_stage(ds),
+        4 if precision == "fp32" else 2,
         precision != "fp32",
         off_opt,
         off_par,
-        zero,
+        ds.get("zero_optimization", {}),
         adam_temporaries=(
             adam_temporaries(launch.optim, launch.accelerator)
             if launch.optimizer_temporaries is None
@@ -314,13 +332,12 @@ def _setup(shape: ModelShape, dp: int, stage: int, p: int, precision: str, off_o
         largest_trainable=shape.largest_trainable,
         quantized=shape.quantized,
         largest_quantized=shape.largest_quantized,
-        load_bytes=2
-        if precision == "bf16"
-        else 4,  # train.py's build_model: a pretrained base loads in bf16 under bf16
+        # train.py's build_model: a pretrained base loads in bf16 under bf16
+        load_bytes=2 if precision == "bf16" else 4,
     )
 
 
-def _traced(model_config, launch: Launch, p: int, lora, tp: int, shape: ModelShape, sp: int) -> Activations:
+def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: ModelShape) -> Activations:
     """The launch's activations (activations.activation_bytes) in the run's dtype."""
     import torch
 
@@ -333,44 +350,16 @@ def _traced(model_config, launch: Launch, p: int, lora, tp: int, shape: ModelSha
         launch.gradient_checkpointing,
         launch.attn_implementation,
         lora,
-        tp,
+        mesh.tp,
         shape.vocab_parallel,
-        sp,
+        mesh.sp,
         launch.tiled_loss,
         launch.loss_tile_tokens,
         launch.tiled_mlp,
     )
 
 
-def _per_node(table: dict, shape: ModelShape, setup: Setup, init_host_buffers: int, num_gpus: int) -> dict:
-    """Host memory per node: offloaded states (pinned when pin_memory), and the load. Without zero.Init every
-    rank materialises the whole model on the host (fp32 for a random init) before DeepSpeed moves it; with
-    it, a pretrained checkpoint passes through one shard (at most 5 GB, HF's default) at a time. Under tensor
-    parallelism too: AutoTP splits the built model inside deepspeed.initialize (engine.py
-    `_apply_autotp_partitioning`), so each rank first holds the whole of it."""
-    stage, off_opt, off_par, zero = setup.stage, setup.offload_optimizer, setup.offload_param, setup.zero
-    host_states = max(t["host_bytes"] for t in table.values())
-    full = shape.model_params
-    init_host = 4 * full if stage < 3 else min(5 * 10**9, 2 * full)
-    if shape.trainable is not None:  # LoRA loads a pretrained base in setup.load_bytes (and its reads, states.py)
-        init_host = setup.load_bytes * shape.num_params + init_host_buffers if stage < 3 else init_host
-    nvme = {off_opt, off_par} & {"nvme"}
-    offloaded_to_host = 0 if nvme else host_states
-    # pin_memory defaults to true in DeepSpeed 0.19.8 (runtime/zero/offload_config.py): pinned unless a file says false
-    pinned = any(
-        isinstance(zero.get(k), dict)
-        and zero[k].get("device") not in (None, "none")
-        and zero[k].get("pin_memory", True)
-        for k in ("offload_optimizer", "offload_param")
-    )
-    return {
-        "cpu_bytes": num_gpus * max(offloaded_to_host, init_host),
-        "pinned_bytes": num_gpus * offloaded_to_host if pinned else 0,
-        "nvme_bytes": num_gpus * host_states if nvme else 0,
-    }
-
-
-def tiled_head_gradient(model_config, launch: Launch, sp: int, p: int, n: int, shape: ModelShape) -> int:
+def tiled_head_gradient(model_config, launch: Launch, mesh: Mesh, p: int, shape: ModelShape) -> int:
     """With the loss in tiles, the output head's backward runs inside the loss's (sequence_tiled_compute
     recomputes each tile there), and ZeRO reduces the head's gradient at the last tile, while that tile's logits
     and their gradient are live. So the head's gradient in flight, which without tiling comes after the loss
@@ -383,57 +372,16 @@ def tiled_head_gradient(model_config, launch: Launch, sp: int, p: int, n: int, s
     if shape.trainable is not None or shape.tp > 1:  # LoRA's head is frozen; TP's head is split: not modelled
         return 0
     tile = loss_tile(
-        model_config, launch.micro_batch_size, launch.seq_len, sp, launch.tiled_loss, launch.loss_tile_tokens
+        model_config, launch.micro_batch_size, launch.seq_len, mesh.sp, launch.tiled_loss, launch.loss_tile_tokens
     )
-    if not tile or launch.micro_batch_size * launch.seq_len // sp <= tile:
+    if not tile or launch.micro_batch_size * launch.seq_len // mesh.sp <= tile:
         return 0
     text = model_config.get_text_config()
     head = text.vocab_size * text.hidden_size
-    return int(head * (2 * p + p / n))
+    return int(head * (2 * p + p / mesh.zero_shards))
 
 
 def rank_total(e: Estimate, phase: str) -> int:
     """Device plus this rank's host bytes in one phase: what one rank holds on a CPU accelerator."""
     t = e.phases[phase]
     return t["device_bytes"] + t["host_bytes"]
-
-
-def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, str]:
-    """tools/estimate_memory.py's estimate for this train.py run (with its --optim), and it in one
-    line for the log. (None, why) when it cannot be made: an estimate must never stop a run."""
-    import torch
-
-    try:
-        from zero_recipes.adapters.lora import lora_config
-        from zero_recipes.adapters.lora_options import enabled
-        from zero_recipes.distributed.launcher_env import rank_info
-
-        per_node = min(world, rank_info().local_world_size or world)  # the launcher's ranks on this node: host memory is per node
-        e = estimate(
-            model_config,
-            ds,
-            Launch(
-                per_node,
-                -(-world // per_node),
-                cfg.per_device_train_batch_size,
-                cfg.block_size,
-                cfg.gradient_checkpointing,
-                cfg.attn_implementation or "sdpa",
-                "gpu" if torch.cuda.is_available() else "cpu",
-                tiled_loss=getattr(cfg, "tiled_loss", True),
-                loss_tile_tokens=getattr(cfg, "loss_tile_tokens", 0),
-                tiled_mlp=getattr(cfg, "tiled_mlp", False),
-                optim=getattr(cfg, "optim", "adamw_torch_fused"),
-            ),
-            lora=lora_config(cfg) if enabled(cfg) else None,
-            load_in_4bit=cfg.load_in_4bit,
-        )
-    except Exception as err:  # noqa: BLE001
-        return None, f"memory: no estimate ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    g = e.per_gpu
-    return e, (
-        f"memory: estimated peak {g['peak_bytes'] / 2**30:.2f} GiB per GPU in {g['peak_phase']} (states "
-        f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
-        f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
-        f"(tools/estimate_memory.py for the breakdown and --table)"
-    )

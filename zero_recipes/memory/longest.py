@@ -34,7 +34,7 @@ def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None, prog
     estimated (each a trace, seconds at a long sequence)."""
     import dataclasses
 
-    from .estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES, estimate
+    from .estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES, Precomputed, estimate
 
     shape = shape or _shape(config)
     tried = {}
@@ -44,7 +44,8 @@ def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None, prog
         if seq not in tried:
             if progress:
                 progress(seq)
-            tried[seq] = estimate(config, ds, dataclasses.replace(launch, seq_len=seq), shape, gpu_memory=gpu_memory)
+            launched = dataclasses.replace(launch, seq_len=seq)
+            tried[seq] = estimate(config, ds, launched, gpu_memory, precomputed=Precomputed(shape))
         return tried[seq].per_gpu["peak_bytes"]
 
     def fits(seq: int) -> bool:

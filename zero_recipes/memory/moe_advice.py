@@ -43,7 +43,7 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
     from zero_recipes.ds.facts import precision
 
     from .activations import activation_bytes
-    from .estimate import Launch, estimate
+    from .estimate import Launch, Precomputed, estimate
     from .shape import ModelShape
 
     args = copy.copy(args)
@@ -63,7 +63,7 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
                 acts = dataclasses.replace(a, bytes=a.bytes * cfg.per_device_train_batch_size)
             launch = Launch(args.num_gpus, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size, gc)
             launch.expert_imbalance = getattr(args, "expert_imbalance", None) or launch.expert_imbalance
-            e = estimate(config, ds, launch, shape, acts, gpu_memory)
+            e = estimate(config, ds, launch, gpu_memory, precomputed=Precomputed(shape, acts))
             cells.append(
                 {"config": name, "expert_parallel": ep, "gradient_checkpointing": gc}
                 | {"peak_bytes": e.per_gpu["peak_bytes"], "fit": e.fit, "fits": e.fits}

@@ -266,15 +266,15 @@ def cell_estimator(args, cfg, config, gpu_memory: int):
     activations (traced at micro-batch 1; a pipeline's per stage) scaled by the micro-batch."""
     import dataclasses
 
-    from .estimate import Launch, estimate
+    from .estimate import Launch, Precomputed, estimate
 
     def run(v, ds_n, n, gc, micro):
         launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
         if v["pp"] > 1:
             stages = [a.scaled(micro) for a in v["acts"][gc]]
-            return estimate(config, ds_n, launch, v["shape"], None, gpu_memory, stage_traces=stages)
+            return estimate(config, ds_n, launch, gpu_memory, precomputed=Precomputed(v["shape"], stage_traces=stages))
         act = dataclasses.replace(v["acts"][gc], bytes=v["acts"][gc].bytes * micro)
-        return estimate(config, ds_n, launch, v["shape"], act, gpu_memory, lora=v["lora"])
+        return estimate(config, ds_n, launch, gpu_memory, lora=v["lora"], precomputed=Precomputed(v["shape"], act))
 
     return run
 

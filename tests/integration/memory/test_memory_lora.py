@@ -13,7 +13,7 @@ import torch
 from helpers import ESTIMATE_OVER, ESTIMATE_UNDER, fwd_bwd_peak_bytes, small_llama, tool_in_process
 from zero_recipes.adapters.lora import lora_config
 from zero_recipes.config.train_config import TrainConfig
-from zero_recipes.memory import Launch, ModelShape, activation_bytes, estimate
+from zero_recipes.memory import Launch, ModelShape, Precomputed, activation_bytes, estimate
 
 LLAMA_8B = {  # Llama-3.1-8B's shape
     "model_type": "llama",
@@ -132,7 +132,7 @@ def test_full_fine_tuning_estimate_is_unchanged_by_the_lora_path():
     plain = estimate(config, ds(3), launch)
     shape = ModelShape.of(config)
     assert shape.trainable is None and plain.trainable_params is None
-    assert plain.phases == estimate(config, ds(3), launch, shape=shape).phases
+    assert plain.phases == estimate(config, ds(3), launch, precomputed=Precomputed(shape)).phases
 
 
 def measured_lora_fwd_bwd(config, lora, micro, seq, dtype) -> int:

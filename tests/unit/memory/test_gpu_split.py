@@ -4,7 +4,7 @@ accelerator's one pool. A 7B Llama on 8 GPUs in bf16, the case where the one-poo
 import pytest
 from transformers import LlamaConfig
 
-from zero_recipes.memory import Launch, ModelShape, estimate
+from zero_recipes.memory import Launch, ModelShape, Precomputed, estimate
 from zero_recipes.memory.activations import Activations
 
 LLAMA_7B = LlamaConfig(
@@ -21,7 +21,7 @@ def zero(stage, **extra):
 
 
 def gpu(ds, n=8, accelerator="gpu"):
-    return estimate(LLAMA_7B, ds, Launch(n, 1, 1, 2048, accelerator=accelerator), SHAPE, ACT)
+    return estimate(LLAMA_7B, ds, Launch(n, 1, 1, 2048, accelerator=accelerator), precomputed=Precomputed(SHAPE, ACT))
 
 
 CPU_OFFLOAD = {"device": "cpu", "pin_memory": True}

@@ -12,8 +12,8 @@ import pytest
 
 from helpers import REPO
 from zero_recipes.memory import Launch, estimate, moe as mm
-from zero_recipes.memory.estimate import _bucket
 from zero_recipes.memory.shape import ModelShape
+from zero_recipes.memory.states import zero_setting
 
 SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 SHAPE |= {"vocab_size": 4096, "max_position_embeddings": 1024, "num_experts_per_tok": 2}
@@ -102,7 +102,7 @@ def test_zero3_gathers_a_whole_layer_of_experts_whatever_the_live_cap():
     layer = 8 * 3 * 128 * 256
     s = mm.split(c, e.num_params, 1, 2)
     assert mm.gather_floor(s, 4) == 4 * layer // 2  # the other rank's half of one layer's experts, fp32
-    cap = _bucket(small_cap["zero_optimization"], "stage3_max_live_parameters", 1e9) * 2
+    cap = zero_setting(small_cap["zero_optimization"], "stage3_max_live_parameters", 1e9) * 2
     by_phase = {k: mm_phase(e, k) for k in ("init", "forward", "forward_backward", "optimizer_step")}
     before = by_phase["forward_backward"].buffers
     # with checkpointing: one layer's experts, whatever the cap (4 bytes x 2000 elements) lets DeepSpeed keep
