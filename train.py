@@ -43,7 +43,7 @@ from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import in_training
 from zero_recipes.modeling import lm_loss, model as modeling, moe, packed_attention
 from zero_recipes.parallel.mesh import picture as mesh_picture
-from zero_recipes.training import loop, metrics
+from zero_recipes.training import flops, loop, metrics_log
 from zero_recipes.training.engine import make_engine
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -56,7 +56,7 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 class CheckedInputs:
     """What check_inputs found before any process group starts (and what --dry_run reports of it)."""
 
-    report_to: list  # the trackers metrics.jsonl also reports to (metrics.report_targets)
+    report_to: list  # the trackers metrics.jsonl also reports to (metrics_log.report_targets)
     resume_request: str | None  # run_dir.check_output_dir's decision: "auto", a checkpoint path, or None
     live_tasks: list  # the lm-eval tasks to run at each evaluation (in_training.check)
     sampled: list  # a line per dataset sampled (under --dry_run)
@@ -170,7 +170,7 @@ def check_inputs(plan: RunPlan) -> CheckedInputs:
     dataset found (under --dry_run a sample of its rows read and checked against the format), output_dir and
     the resume rules, the live eval's tasks."""
     cfg = plan.cfg
-    report_to = metrics.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
+    report_to = metrics_log.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
     sampled = data.check(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
     resume_request = run_dir.check_output_dir(
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
@@ -223,7 +223,7 @@ def assemble_loop(
     plan: RunPlan, engine, run_data: RunData, inputs: CheckedInputs, stop: StopRequest, rank: int, log, resumed_at
 ) -> loop.Loop:
     """The fit's parts: metrics.jsonl (and the trackers), the checkpointer, the runner of a step, the live eval."""
-    log_file = metrics.MetricsLog(
+    log_file = metrics_log.MetricsLog(
         plan.output_dir / "metrics.jsonl",
         rank == 0,
         resumed_at=resumed_at,
@@ -316,7 +316,7 @@ def dry_run(plan: RunPlan, log) -> int:
         f"plan: model {model_config.model_type} {moe.parameters_in_words(model_config, n)}; {plan.mesh.describe()}; ZeRO stage "
         f"{plan.zero_stage}; {plan.precision}; "
         f"{plan.global_batch} sequences x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
-        f"{metrics.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
+        f"{flops.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )
     if plan.mesh.group > 1:
         local = launcher_env.rank_info().local_world_size
@@ -364,5 +364,5 @@ if __name__ == "__main__":
 
             traceback.print_exc()
         code = 1
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from zero_recipes.distributed.ports import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
-from zero_recipes.training.metrics import cpu_name
+from zero_recipes.training.device_peak import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
 TOOLS = REPO / "tools"  # where the `bench` package is imported from (the folder of tools/benchmark.py)

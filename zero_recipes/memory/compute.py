@@ -35,7 +35,7 @@ def training_compute(
     the stated MFU, and energy at board power. Under pipeline parallelism the GPUs also idle through the 1F1B
     schedule's bubble, (p - 1) / (m + p - 1) of a step for p stages and m micro-batches (pipeline.bubble): the MFU
     is that of the busy time, so the wall time is divided by the busy fraction."""
-    from zero_recipes.training.metrics import model_flops_per_token, peak_flops_from_table
+    from zero_recipes.training.flops import model_flops_per_token, peak_flops_from_table
 
     from .pipeline import bubble
 

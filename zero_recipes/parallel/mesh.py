@@ -134,7 +134,7 @@ class Mesh:
 
     def loss_shares(self, zero_stage: int) -> int:
         """How many ranks' logged losses make one replica's: under SP a rank's loss is its slice's share of
-        the replica's, scaled by gradient_divisor / dp (metrics.LogWindow)."""
+        the replica's, scaled by gradient_divisor / dp (metrics_log.LogWindow)."""
         return self.sp * self.dp // self.gradient_divisor(zero_stage)
 
     def check(self) -> None:

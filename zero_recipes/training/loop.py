@@ -22,7 +22,7 @@ from zero_recipes.checkpointing.checkpoint import Checkpointer
 from zero_recipes.checkpointing.storage import StorageError
 from zero_recipes.config.plan import RunPlan
 from zero_recipes.distributed.preemption import StopRequest
-from zero_recipes.training import metrics
+from zero_recipes.training import device_peak, flops, metrics_log
 from zero_recipes.training.loss_rise import LossRiseWatch
 
 
@@ -36,7 +36,7 @@ class Loop:
     plan: RunPlan
     order: object  # data.BatchOrder or the streamed equivalent: next_batch(), epoch_progress, state_dict()
     prepared: object  # data.Prepared: eval rows, pad id, whether labels are SFT-masked
-    log_file: metrics.MetricsLog
+    log_file: metrics_log.MetricsLog
     checkpointer: Checkpointer
     stop: StopRequest
     rank: int
@@ -131,7 +131,7 @@ def fit(loop: Loop, step: int) -> Outcome:
     return Outcome(step)
 
 
-def save_or_stop(loop: Loop, window: metrics.LogWindow, bar, step: int, saving: bool) -> Optional[Outcome]:
+def save_or_stop(loop: Loop, window: metrics_log.LogWindow, bar, step: int, saving: bool) -> Optional[Outcome]:
     """Collective: agree on a preemption signal, save when it is time or when asked to stop, and return the
     outcome that ends the launch early (None: train on)."""
     total = loop.plan.total_steps
@@ -178,18 +178,18 @@ def stop_non_finite(loop: Loop, bad_step: int, step: int) -> Outcome:
     return Outcome(step, exit_code=1)
 
 
-def open_window(loop: Loop) -> metrics.LogWindow:
+def open_window(loop: Loop) -> metrics_log.LogWindow:
     """The first logging window, after the line that states the run's size and the peak MFU is taken against."""
     plan, cfg = loop.plan, loop.plan.cfg
-    peak, peak_source = metrics.device_peak_flops(plan.precision, data.cache_root(cfg) / "matmul-peak.json")
-    trainable = metrics.trainable_matmul_params(loop.engine.module)  # LoRA: frozen weights get no weight grads
-    flops_per_token = metrics.model_flops_per_token(plan.model_config, cfg.block_size, trainable)
+    peak, peak_source = device_peak.device_peak_flops(plan.precision, data.cache_root(cfg) / "matmul-peak.json")
+    trainable = flops.trainable_matmul_params(loop.engine.module)  # LoRA: frozen weights get no weight grads
+    flops_per_token = flops.model_flops_per_token(plan.model_config, cfg.block_size, trainable)
     loop.log(
         f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})"
     )
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-    return metrics.LogWindow(
+    return metrics_log.LogWindow(
         loop.engine.device,
         tokens_per_step_rank,
         cfg.gradient_accumulation_steps,
@@ -201,7 +201,7 @@ def open_window(loop: Loop) -> metrics.LogWindow:
 
 
 def log_record(
-    loop: Loop, window: metrics.LogWindow, step: int, own_grad_norm, time_to_first_step: Optional[float]
+    loop: Loop, window: metrics_log.LogWindow, step: int, own_grad_norm, time_to_first_step: Optional[float]
 ) -> dict:
     """Collective: one metrics record for the window that ends at `step`, written to every tracker.
     `time_to_first_step` goes into the first record of a launch (None in the others)."""
@@ -215,7 +215,7 @@ def log_record(
         "lr": loop.engine.get_lr()[0],
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **w,
-        **metrics.memory_stats(),
+        **metrics_log.memory_stats(),
     }
     if time_to_first_step is not None:
         record["time_to_first_step"] = time_to_first_step

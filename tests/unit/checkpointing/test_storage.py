@@ -17,7 +17,7 @@ from helpers import fill, read_only, resize, tmpfs
 from zero_recipes.checkpointing import atomic, storage
 from zero_recipes.checkpointing.export import state_bytes, write_model_dir
 from zero_recipes.evaluation import side_by_side
-from zero_recipes.training.metrics import MetricsLog
+from zero_recipes.training.metrics_log import MetricsLog
 
 
 def digest(path):

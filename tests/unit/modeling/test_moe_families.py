@@ -11,7 +11,7 @@ from zero_recipes.modeling import lm_loss, moe
 from zero_recipes.modeling.model import meta_model
 from zero_recipes.parallel import combinations
 from zero_recipes.parallel.mesh import Mesh
-from zero_recipes.training import metrics
+from zero_recipes.training import flops
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "vocab_size": 256}
 SHAPE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
@@ -59,7 +59,7 @@ def test_flops_count_the_experts_a_token_uses_not_every_expert():
     few, many = config("mixtral", num_local_experts=4), config("mixtral", num_local_experts=64)
     # 16x the experts: 16x the routed parameters, the same compute per token but the router's 60 more outputs
     extra_router = 6 * SHAPE["num_hidden_layers"] * SHAPE["hidden_size"] * 60
-    assert metrics.model_flops_per_token(many, 64) - metrics.model_flops_per_token(few, 64) == extra_router
+    assert flops.model_flops_per_token(many, 64) - flops.model_flops_per_token(few, 64) == extra_router
     words = moe.parameters_in_words(few, 1_000_000)
     assert "active per token (4 experts, 2 per token, 3 of 3 layers sparse)" in words
 

@@ -6,7 +6,7 @@
 Parts, most valuable first (each one's failure is recorded in the report and the next still runs;
 bench/gpu/parts.py):
 1. ZeRO-2: a Llama-3.2-1B-shaped model (random init, `--model_config`, no hub), bf16, sequence 2048: tokens/s,
-   MFU against zero_recipes/training/metrics.py's dense peak for the device, `max_memory_allocated` against
+   MFU against zero_recipes/training/flops.py's dense peak for the device, `max_memory_allocated` against
    tools/estimate_memory.py's estimate for the same launch; its export is the LoRA part's base;
 2. TP2, SP2, PP2: one rank's compute at the split shapes (bench/gpu/shapes.py): two ranks cannot share a GPU;
 3. LoRA r 16 on all-linear of the ZeRO-2 part's export, the same figures;

@@ -12,8 +12,8 @@ warm-up pass; each parameter's gradient is dropped as it is made, as ZeRO takes 
 - SP2 rank: the sequence halved with every head's attention over it. A Ulysses rank runs its projections and
   MLP on seq/2 tokens, as here, but attends over all seq tokens with half the heads: twice this attention;
 - PP2 stage: half the layers, with both the embedding and the head (each real stage has one of them).
-Per shape: the median pass's tokens/s and MFU (zero_recipes.training.metrics' FLOPs and peak), and the activation peak
-of one pass (weights excluded) against zero_recipes.memory.activation_bytes for the same shape.
+Per shape: the median pass's tokens/s and MFU (zero_recipes.training.flops' FLOPs, device_peak's peak), and the
+activation peak of one pass (weights excluded) against zero_recipes.memory.activation_bytes for the same shape.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def measure(config, seq: int, spec: dict, device: str, peak: float) -> dict:
     from transformers import AutoModelForCausalLM
 
     from zero_recipes.memory import activation_bytes
-    from zero_recipes.training import metrics
+    from zero_recipes.training import flops
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["precision"]]
     micro = spec["micro"]
@@ -107,7 +107,7 @@ def measure(config, seq: int, spec: dict, device: str, peak: float) -> dict:
         "intermediate_size": config.intermediate_size,
         "step_seconds": seconds,
         "tokens_per_sec": tokens_per_sec,
-        "mfu": metrics.mfu(tokens_per_sec, metrics.model_flops_per_token(config, seq), peak),
+        "mfu": flops.mfu(tokens_per_sec, flops.model_flops_per_token(config, seq), peak),
         "activation_peak_bytes": measured,
         "activation_estimate_bytes": predicted,
         "estimate_error": predicted / measured - 1 if measured else None,
@@ -118,10 +118,10 @@ def main(argv: list[str]) -> int:
     spec, out = json.loads(argv[0]), Path(argv[1])
     import torch
 
-    from zero_recipes.training import metrics
+    from zero_recipes.training import device_peak
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    peak, source = metrics.device_peak_flops(spec["precision"])
+    peak, source = device_peak.device_peak_flops(spec["precision"])
     results = {}
     for name, (config, seq) in shapes(spec["model"], spec["block"]).items():
         results[name] = measure(config, seq, spec, device, peak)  # its model freed on return

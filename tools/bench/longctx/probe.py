@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from zero_recipes.distributed import process_group
-    from zero_recipes.training import metrics
+    from zero_recipes.training import metrics_log
 
     instrument_points()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
         "steps": step_memory(steps, point_marks(events), mem),
     }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 

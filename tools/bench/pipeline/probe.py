@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from zero_recipes.distributed import process_group
-    from zero_recipes.training import metrics
+    from zero_recipes.training import metrics_log
 
     steps: list[dict] = []
     seen: dict = {}
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
     if memory:
         result.update(peaks(prof), export_gather_peak_bytes=gather_peak(prof))
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result) + "\n")
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 

@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from zero_recipes.distributed import process_group
-    from zero_recipes.training import metrics
+    from zero_recipes.training import metrics_log
 
     mark_engine_calls()
     last = int(argv[argv.index("--max_steps") + 1])
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
         return dataclasses.replace(run, runner=CountedRunner(run.runner, profile))
 
     code = train["main"](argv, instrument=instrument)
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)
     return code
 

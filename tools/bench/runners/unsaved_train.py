@@ -41,14 +41,14 @@ def without_checkpoints(run):
 def main(argv: list[str]) -> int:
     train = runpy.run_path(str(REPO / "train.py"), run_name="unsaved_train")  # its imports and main()
     from zero_recipes.distributed import process_group
-    from zero_recipes.training import metrics
+    from zero_recipes.training import metrics_log
 
     try:
         code = train["main"](argv, instrument=without_checkpoints)
     except Exception:  # noqa: BLE001 -- said, then the same orderly exit: no process group left to hang on
         traceback.print_exc()
         code = 1
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 

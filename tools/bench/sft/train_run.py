@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     from zero_recipes import data
     from zero_recipes.data import formats
     from zero_recipes.distributed import process_group
-    from zero_recipes.training import metrics
+    from zero_recipes.training import metrics_log
 
     probe, seen = StepProbe(), {}
 
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         tok = data.load_tokenizer(cfg)
         formats.ensure_chat_template(tok, lambda *a, **k: None)
     probe.finish(seen["model"], rank, out, eval_file, tok, cfg.block_size)
-    metrics.close_open_logs()
+    metrics_log.close_open_logs()
     process_group.finish(code)  # as train.py ends: barrier, then os._exit
     return code
 

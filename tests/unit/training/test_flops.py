@@ -1,14 +1,11 @@
-"""FLOPs and MFU: the one function, checked against torch's own FLOP counter."""
-
-import json
-import time
+"""FLOPs and MFU: the one function, checked against torch's own FLOP counter, and the datasheet peaks."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from zero_recipes.training import metrics
+from zero_recipes.training import flops
 
 
 def counted_llama(kv_heads: int) -> LlamaConfig:
@@ -40,7 +37,7 @@ def test_flops_per_token_matches_flop_counter(kv_heads):
     config = counted_llama(kv_heads)
     seq = 128
     measured = counted_flops_per_token(LlamaForCausalLM(config), seq=seq)
-    predicted = metrics.model_flops_per_token(config, seq)
+    predicted = flops.model_flops_per_token(config, seq)
     # FlopCounterMode counts matmuls (attention's bmm included), as model FLOPs do; norms, softmax and
     # the loss are the small remainder.
     assert predicted == pytest.approx(measured, rel=0.02)
@@ -50,34 +47,18 @@ def test_non_gated_mlp_counts_two_matrices():
     c = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
     c.intermediate_size = 256
     per_layer = 4 * 64 * 64 + 2 * 64 * 256
-    assert metrics.model_flops_per_token(c, 10) == 6 * (2 * per_layer + 64 * 100) + 12 * 2 * 64 * 10
+    assert flops.model_flops_per_token(c, 10) == 6 * (2 * per_layer + 64 * 100) + 12 * 2 * 64 * 10
 
 
 def test_peak_table_uses_dense_figures():
-    assert metrics.peak_flops_from_table("NVIDIA H200", "bf16") == 989e12
-    assert metrics.peak_flops_from_table("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert metrics.peak_flops_from_table("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
-    assert metrics.peak_flops_from_table("Some Unknown GPU", "bf16") is None
+    assert flops.peak_flops_from_table("NVIDIA H200", "bf16") == 989e12
+    assert flops.peak_flops_from_table("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert flops.peak_flops_from_table("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert flops.peak_flops_from_table("Some Unknown GPU", "bf16") is None
 
 
-def test_mfu_arithmetic_and_cpu_peak_is_measured():
-    assert metrics.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
-    peak = metrics.measure_matmul_peak("fp32", seconds=0.1)
-    assert 1e8 < peak < 1e13  # a real measured rate, not a table value
-
-
-def test_a_measured_peak_is_kept_for_the_next_run(tmp_path):
-    """The CPU's matmul peak is measured once and read back by later runs (it held every launch's first step back
-    half a second); an unreadable cache file is measured again and rewritten, never an error."""
-    cache = tmp_path / "matmul-peak.json"
-    first, source = metrics.device_peak_flops("fp32", cache)
-    assert 1e8 < first < 1e13 and "measured fp32 matmul" in source and " on " not in source
-    again, source = metrics.device_peak_flops("fp32", cache)
-    assert again == first and source.endswith(f"on {time.strftime('%Y-%m-%d')}")
-    assert [k.split(" | ")[1] for k in json.loads(cache.read_text())] == ["fp32"]
-    cache.write_text("{not json")
-    remeasured, source = metrics.device_peak_flops("fp32", cache)
-    assert remeasured > 1e8 and " on " not in source and len(json.loads(cache.read_text())) == 1
+def test_mfu_arithmetic():
+    assert flops.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
 
 
 def test_lora_flops_count_four_per_frozen_weight():
@@ -87,12 +68,12 @@ def test_lora_flops_count_four_per_frozen_weight():
     config = counted_llama(kv_heads=2)
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules="all-linear"))
     measured = counted_flops_per_token(model, seq=128)
-    trainable = metrics.trainable_matmul_params(model)
+    trainable = flops.trainable_matmul_params(model)
     assert trainable == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     # the first layer's input needs no gradient, so it does a little less than 4N: under 2 % here
-    assert metrics.model_flops_per_token(config, 128, trainable) == pytest.approx(measured, rel=0.02)
-    assert metrics.model_flops_per_token(config, 128) > 1.1 * measured
-    assert metrics.trainable_matmul_params(LlamaForCausalLM(config)) is None
+    assert flops.model_flops_per_token(config, 128, trainable) == pytest.approx(measured, rel=0.02)
+    assert flops.model_flops_per_token(config, 128) > 1.1 * measured
+    assert flops.trainable_matmul_params(LlamaForCausalLM(config)) is None
 
 
 @pytest.mark.parametrize(
@@ -107,15 +88,15 @@ def test_lora_flops_count_four_per_frozen_weight():
     ],
 )
 def test_peak_table_tells_variants_and_tf32_apart(name, dtype, peak):
-    assert metrics.peak_flops_from_table(name, dtype) == peak
+    assert flops.peak_flops_from_table(name, dtype) == peak
 
 
 def test_fp32_peak_follows_whether_tf32_is_on():
     before = torch.backends.fp32_precision
     try:
         torch.backends.fp32_precision = "tf32"  # what --tf32 true sets
-        assert metrics.fp32_matmul_kind() == "tf32"
+        assert flops.fp32_matmul_kind() == "tf32"
         torch.backends.fp32_precision = "ieee"
-        assert metrics.fp32_matmul_kind() == "fp32"
+        assert flops.fp32_matmul_kind() == "fp32"
     finally:
         torch.backends.fp32_precision = before
