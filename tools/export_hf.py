@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from zero_recipes.adapters.lora import is_adapter_dir, peft_model_from
-from zero_recipes.checkpointing.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, check_intact, find_checkpoint
+from zero_recipes.checkpointing.checkpoint import HF_FILES, UNIVERSAL_SUFFIX, find_checkpoint
+from zero_recipes.checkpointing.integrity import LAYOUT, check_intact
 from zero_recipes.checkpointing.resume import convert_to_universal
 from zero_recipes.errors import ConfigError
 
@@ -123,8 +124,6 @@ def expert_files(ckpt: Path) -> list[Path]:
 def expert_parallel(ckpt: Path) -> bool:
     """Whether the run that saved `ckpt` split its experts (its layout says so; DeepSpeed's expert files)."""
     import json
-
-    from zero_recipes.checkpointing.checkpoint import LAYOUT
 
     layout = json.loads((ckpt / LAYOUT).read_text()) if (ckpt / LAYOUT).is_file() else {}
     return layout.get("expert_parallel", 1) > 1 or bool(expert_files(ckpt))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from zero_recipes.checkpointing.checkpoint import LAYOUT, UNIVERSAL_SUFFIX, has_frozen, resolve_resume
+from zero_recipes.checkpointing.checkpoint import UNIVERSAL_SUFFIX, has_frozen, resolve_resume
+from zero_recipes.checkpointing.integrity import LAYOUT
 from zero_recipes.checkpointing.rng import set_rng_state
 from zero_recipes.errors import ConfigError
 from zero_recipes.parallel.mesh import ranks_in_words

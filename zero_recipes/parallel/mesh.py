@@ -109,7 +109,7 @@ class Mesh:
         return f"{ranks} = {self.dp} data-parallel{inner}{experts}"
 
     def layout(self) -> dict:
-        """What a checkpoint records of the mesh (checkpoint.LAYOUT), and what a resume compares with it."""
+        """What a checkpoint records of the mesh (integrity.LAYOUT), and what a resume compares with it."""
         return {
             "world": self.dp,
             "tensor_parallel": self.tp,

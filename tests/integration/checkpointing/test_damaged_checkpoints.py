@@ -3,7 +3,7 @@
 names the damaged file and takes step 4; the user's own path to the damaged one, and tools/export_hf.py on
 it, are one line and exit 2 with nothing written. One relaunch per layout proves the fallback end to end:
 it resumes from step 4 and repeats the uninterrupted losses bit for bit. (The logic over hand-made files:
-tests/unit/checkpointing/test_checkpoint_damage.py.)"""
+tests/unit/checkpointing/test_integrity.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import shutil
 import pytest
 
 from helpers import CONFIGS, FAST, launch, refusal, step_losses, tool_in_process, train_args
-from zero_recipes.checkpointing.checkpoint import damage, resolve_resume
+from zero_recipes.checkpointing.checkpoint import resolve_resume
+from zero_recipes.checkpointing.integrity import damage
 from zero_recipes.config.shipped import TENSOR_PARALLEL
 
 # TP2 on 2 ranks: one data-parallel replica, micro 8 (the rows the `trained` runs train per step)

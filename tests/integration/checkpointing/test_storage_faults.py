@@ -26,7 +26,7 @@ from helpers import (
     small_llama,
     tmpfs,
 )
-from zero_recipes.checkpointing.checkpoint import MANIFEST, damage
+from zero_recipes.checkpointing.integrity import MANIFEST, damage
 from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.data import builtin_tokenizer_dir
 

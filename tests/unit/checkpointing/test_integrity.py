@@ -1,4 +1,4 @@
-"""Whether a checkpoint is intact (checkpoint.damage), which one a resume takes, and the one line for a
+"""Whether a checkpoint is intact (integrity.damage), which one a resume takes, and the one line for a
 damaged one, over checkpoint directories written here with torch.save (no process group). Real DeepSpeed
 checkpoints of ZeRO-2, ZeRO-3 and TP runs: tests/integration/checkpointing/test_damaged_checkpoints.py."""
 
@@ -10,16 +10,8 @@ import os
 import pytest
 import torch
 
-from zero_recipes.checkpointing.checkpoint import (
-    LAYOUT,
-    MANIFEST,
-    check_intact,
-    damage,
-    file_sizes,
-    resolve_resume,
-    rotate,
-    write_manifest_of,
-)
+from zero_recipes.checkpointing.checkpoint import resolve_resume
+from zero_recipes.checkpointing.integrity import LAYOUT, MANIFEST, check_intact, damage, file_sizes, write_manifest_of
 from zero_recipes.config.train_config import ConfigError
 
 OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -154,19 +146,3 @@ def test_the_manifest_keeps_each_file_at_the_largest_size_any_rank_saw(tmp_path)
     write_manifest_of(tmp_path, [{"a.pt": 3}, {"a.pt": 10, "b.pt": 5}])
     assert json.loads((tmp_path / MANIFEST).read_text()) == {"files": {"a.pt": 10, "b.pt": 5}}
     assert MANIFEST not in file_sizes(tmp_path)
-
-
-def test_rotation_keeps_the_checkpoint_a_resume_takes(tmp_path):
-    """save_total_limit: after a save the newest N stay; before a save (N - 1, the tag being saved aside) the
-    one `latest` names stays even when a newer, damaged one was passed over, so a failed save still leaves it."""
-    ckpts = tmp_path / "checkpoints"
-    for step in (1, 2, 3, 4, 8):
-        (ckpts / f"step-{step}").mkdir(parents=True)
-    (ckpts / "latest").write_text("step-4")  # step-8 was damaged and passed over; step-9 is about to be saved
-    rotate(tmp_path, 1, but="step-9")
-    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-4"]
-    (ckpts / "step-9").mkdir()
-    (ckpts / "latest").write_text("step-9")
-    (ckpts / "step-5").mkdir()
-    rotate(tmp_path, 2)
-    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-5", "step-9"]
