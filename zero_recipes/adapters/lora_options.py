@@ -1,5 +1,5 @@
 """LoRA's options, read before anything is built: a recipe's `lora:` block, the rules between the options, and
-which of them make one adapter. A leaf beside config.py (it imports only the error type), so the schema's
+which of them make one adapter. A leaf beside config/train_config.py (it imports only the error type), so the schema's
 validation and the recipe reader use it without importing peft, the model code or lora.py.
 """
 

@@ -15,7 +15,7 @@ safer side for a fine-tune too, and tiny-sft.yaml and tiny-lora-sft.yaml, which 
 decay but not the betas, were measured with it. A value the recipe or a flag sets always wins, and so does one the
 DeepSpeed config's optimizer block sets (ds_config adopts it, and says so).
 
-A leaf beside config.py (it imports only lora_options), so the schema's defaults come from this table.
+A leaf beside config/train_config.py (it imports only lora_options), so the schema's defaults come from this table.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ traceback on every rank. Here the same models run once, before any of that, and 
   brings its own; nothing here lists key names by hand.
 - `validate`: the same models, then `DeepSpeedConfig` itself for its cross-field checks.
 
-What DeepSpeed accepts and then ignores, and what this machine cannot run, are ds_checks.py's.
+What DeepSpeed accepts and then ignores, and what this machine cannot run, are ds/checks.py's.
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ start's model and tiny-sft's can be evaluated with no hub:
 - `tiny_instructions` (generation, exact match): the questions recipes/tiny-sft.yaml holds out of
   builtin:tiny-instructions, answered greedily until the end of the assistant's turn.
 
-Both come from `data.pipeline.held_out_examples`, the same split a run's eval loss and exact match use:
+Both come from `data.preparation.held_out_examples`, the same split a run's eval loss and exact match use:
 
     python -m zero_recipes.evaluation.shipped_tasks     # rewrites eval_tasks/data/*.jsonl
 
-A test rebuilds them and compares (tests/integration/test_evaluate.py).
+A test rebuilds them and compares (tests/integration/evaluation/test_evaluate.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ states.py counts. Only 1 and 2 layers are traced and the rest extrapolated (laye
 70B model costs the same seconds as a tiny one. Where tracing cannot run (remote code that breaks under
 fake tensors), a closed form after Korthikanti et al. (arXiv 2205.05198) stands in, and says so.
 
-Measured against the torch profiler on real tensors (tests/unit/test_memory_estimate.py, test_memory_sp.py):
+Measured against the torch profiler on real tensors (tests/unit/memory/test_estimate.py, test_memory_sp.py):
 equal to the byte for sdpa in bf16 and fp32, with gradient checkpointing and with train.py's tiled loss and MLP.
 (Before masks were created as in an eager run, `_eager_masks`, the trace held a causal s x s mask per layer that
 real runs never allocate: +4 % at 2 x 512 tokens, +13 % at 2 x 2048, growing with the length.)

@@ -1,6 +1,6 @@
 """What pipeline parallelism (DeepSpeed's PipelineModule, `"pipeline": {"stages": N}`) leaves on each stage.
 
-The layers are pipeline_model.py's own: [embedding, one per decoder block, final norm, head], a tied embedding/head
+The layers are parallel/pipeline/layers.py's own: [embedding, one per decoder block, final norm, head], a tied embedding/head
 one TiedLayerSpec on the first and the last stage. They are built on the meta model and split as DeepSpeed splits
 them (pipe/module.py `_partition_layers`): its `partition_balanced` over its own per-layer parameter counts
 (`_count_layer_params`) for "parameters", over its own type match (`_find_layer_type`) for "type:REGEX", its

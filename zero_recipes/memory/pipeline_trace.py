@@ -1,5 +1,5 @@
 """A pipeline stage's activations, traced: DeepSpeed's 1F1B schedule (pipe/schedule.py `TrainSchedule`) run
-instruction by instruction on the stage's real layers (pipeline_model.py's, on a model built under
+instruction by instruction on the stage's real layers (parallel/pipeline/layers.py's, on a model built under
 FakeTensorMode), with the memory of pipe/engine.py's buffers, while activations.py's tracer counts every storage.
 What the stage holds and why is pipeline.py's docstring; this module is how it is measured.
 """

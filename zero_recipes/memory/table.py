@@ -135,7 +135,7 @@ def tp_variants(cfg, config, ds: dict, precision: str, notes: list, counts: tupl
 
 def pp_variants(cfg, config, ds: dict, precision: str, notes: list, worlds: tuple, progress) -> list[dict]:
     """Full fine-tuning under each pipeline stage count that divides one of `worlds` (the GPUs of all nodes) and
-    that train.py would split this model into (pipeline_parallel.py's own check: a family it splits, at most one
+    that train.py would split this model into (parallel/pipeline/axis.py's own check: a family it splits, at most one
     stage per decoder layer; LoRA does not combine with a pipeline); the counts it cannot take are a note. Each
     stage's activations traced once per checkpointing choice at micro-batch 1 (the cells scale them)."""
     from zero_recipes.parallel.mesh import Mesh

@@ -128,7 +128,7 @@ class MlpParams:
 
 
 def mlp_params(model_config) -> MlpParams:
-    """From the config alone (tests/unit/test_moe_families.py checks it against the built model of each family)."""
+    """From the config alone (tests/unit/modeling/test_moe_families.py checks it against the built model of each family)."""
     text, fam = text_config(model_config), family(model_config)
     h, layers = text.hidden_size, text.num_hidden_layers
     dense_mlp = 3 * h * text.intermediate_size
@@ -232,7 +232,7 @@ class BalancingLoss:
     only: under SP it would balance each slice of a sequence on its own, not the sequence (the fraction of
     tokens per expert times the mean router probability is not additive over slices). So the per-expert sums
     are all-reduced over the group first, the probabilities' with autograd, and the result equals
-    transformers' on the whole row (tests/unit/test_moe_families.py)."""
+    transformers' on the whole row (tests/unit/modeling/test_moe_families.py)."""
 
     coef: float
     experts: int

@@ -39,7 +39,7 @@ class Mesh:
     tp: int = 1
     sp: int = 1
     pp: int = 1
-    """Pipeline stages (DeepSpeed's PipelineModule: pipeline_parallel.py)."""
+    """Pipeline stages (DeepSpeed's PipelineModule: parallel/pipeline/axis.py)."""
     ep: int = 1
     """Expert-parallel ranks (DeepSpeed AutoEP: expert_parallel.py). Not a group that shares rows: every rank
     trains its own, and only the experts are split, so it leaves `group` and `dp` alone."""

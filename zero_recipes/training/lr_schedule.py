@@ -4,7 +4,7 @@ Written out rather than taken from `transformers.get_scheduler` for start-up tim
 transformers.optimization imports transformers.trainer_utils, which imports peft, accelerate and
 bitsandbytes, about 15 % of a rank's import time (measured with -X importtime) in a run that uses none of
 them (docs/speed.md). The factors are transformers' own expressions, operation for operation, so the learning
-rates are the same floats; tests/unit/test_lr_schedule.py compares every step with `transformers.get_scheduler`.
+rates are the same floats; tests/unit/training/test_lr_schedule.py compares every step with `transformers.get_scheduler`.
 As there, each factor is a `functools.partial` of a module-level function, so a checkpoint's scheduler state
 is the same as one saved by earlier versions.
 """

@@ -3,7 +3,7 @@
 `EagerRunner` drives DeepSpeed's engine API (forward, backward, step per micro-batch) for every mode but the
 pipeline; what differs between the modes is asked of the run's parallel axes (axis.Parallelism: a
 micro-batch sharded, the tokens counted over the right group) and decided here once. The pipeline's runner
-(pipeline_runner.py: DeepSpeed's `train_batch()` / `eval_batch()` over the whole step), or another
+(parallel/pipeline/runner.py: DeepSpeed's `train_batch()` / `eval_batch()` over the whole step), or another
 objective's, implements the same calls, and `fit()` (loop.py) does not change:
 
     micro_batch(batch)                       one micro-batch of the data order, on the device, this rank's part

@@ -154,7 +154,7 @@ def test_eval_tasks_with_lora_equal_the_adapters_export(pretrained, tmp_path):
 
 
 def test_shipped_tasks_hold_the_runs_held_out_examples():
-    """eval_tasks/data/ is what data.pipeline holds out: the quick start's eval docstrings and tiny-sft's
+    """eval_tasks/data/ is what data.preparation holds out: the quick start's eval docstrings and tiny-sft's
     held-out questions, rebuilt here and compared line by line."""
     from zero_recipes.evaluation import shipped_tasks
 

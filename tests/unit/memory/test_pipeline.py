@@ -1,5 +1,5 @@
 """The memory estimate under pipeline parallelism (zero_recipes/memory/pipeline.py, pipeline_trace.py): the split is
-DeepSpeed's own over pipeline_model.py's layers, the in-flight micro-batches are its 1F1B schedule's, the worst stage
+DeepSpeed's own over parallel/pipeline/layers.py's layers, the in-flight micro-batches are its 1F1B schedule's, the worst stage
 is the one reported, the bubble's arithmetic, and the refusals are train.py's. Against real DeepSpeed pipelines
 (the allocator of 2 CPU ranks): tests/integration/memory/test_memory_pipeline.py."""
 

@@ -2,8 +2,8 @@
 
 The model's layers are split into N stages, one per rank of a pipeline; micro-batches flow stage to stage
 (DeepSpeed's 1F1B schedule), and data parallelism (ZeRO-0 or ZeRO-1) runs across the pipelines. DeepSpeed
-lays the pipe axis outermost (mesh.py). How the HF model becomes pipeline layers is pipeline_model.py; how a
-step runs (`engine.train_batch` over the whole step) is pipeline_runner.py; the memory a stage holds is
+lays the pipe axis outermost (mesh.py). How the HF model becomes pipeline layers is parallel/pipeline/layers.py; how a
+step runs (`engine.train_batch` over the whole step) is parallel/pipeline/runner.py; the memory a stage holds is
 memory/pipeline.py.
 
 DeepSpeed parses the `pipeline` block (stages, partition, seed_layers, activation_checkpoint_interval,
@@ -30,7 +30,7 @@ PARTITIONS = ("parameters", "uniform")
 
 
 class PipelineParallel(ParallelAxis):
-    counts_tokens = True  # the loss is normalised by the whole step's label tokens (pipeline_runner.py)
+    counts_tokens = True  # the loss is normalised by the whole step's label tokens (parallel/pipeline/runner.py)
     owns_loss = True  # the last stage's loss_fn (pipeline_model.StepLoss)
     live_eval_refusal = "each rank holds a stage of the layers, and lm-eval needs the whole model's logits"
 
