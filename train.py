@@ -34,7 +34,6 @@ from zero_recipes import data, memory
 from zero_recipes.checkpointing import checkpoint, resume as resuming, run_dir, storage
 from zero_recipes.checkpointing.export import partitioned, verify_export
 from zero_recipes.config.cli import help_text
-from zero_recipes.config.plan import RunPlan
 from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
 from zero_recipes.distributed.lost_peer import lost_peer
 from zero_recipes.distributed.preemption import StopRequest
@@ -43,6 +42,7 @@ from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import in_training
 from zero_recipes.modeling import lm_loss, model as modeling, moe, packed_attention
 from zero_recipes.parallel.mesh import picture as mesh_picture
+from zero_recipes.plan import RunPlan
 from zero_recipes.training import flops, loop, metrics_log
 from zero_recipes.training.engine import make_engine
 

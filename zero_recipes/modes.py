@@ -6,9 +6,9 @@ The run picks its modes once, in setup (`plan.parallelism`, `plan.adapter`); the
 
 from __future__ import annotations
 
-from zero_recipes.adapters import lora_options
 from zero_recipes.adapters.base import FullFineTuning
 from zero_recipes.adapters.lora import Lora, QLora
+from zero_recipes.config import lora_options
 from zero_recipes.parallel.axis import Parallelism
 from zero_recipes.parallel.expert_parallel import ExpertParallel
 from zero_recipes.parallel.mesh import Mesh

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from zero_recipes.adapters.base import FullFineTuning
-from zero_recipes.adapters.lora_options import ALL_LINEAR
 from zero_recipes.checkpointing.export import gathered_parameters, state_bytes, write_model_dir
+from zero_recipes.config.lora_options import ALL_LINEAR
 from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.errors import ConfigError
 from zero_recipes.modeling.model import meta_model, num_params

@@ -15,9 +15,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
-from zero_recipes.adapters.lora_options import changed_settings
 from zero_recipes.checkpointing import atomic, storage
 from zero_recipes.checkpointing.checkpoint import latest_tag
+from zero_recipes.config.lora_options import changed_settings
 from zero_recipes.errors import ConfigError
 
 RUN_CONFIG = "run_config.json"

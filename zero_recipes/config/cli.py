@@ -13,8 +13,7 @@ from typing import Any
 
 import yaml
 
-from zero_recipes.adapters import lora_options
-from zero_recipes.config import lr_defaults
+from zero_recipes.config import lora_options, lr_defaults
 from zero_recipes.config.train_config import FIELDS, REPO_ROOT, TrainConfig, resolve_path, validate
 from zero_recipes.distributed.launcher_env import accelerate_launch_choices
 from zero_recipes.errors import ConfigError

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zero_recipes.adapters import lora_options
+from zero_recipes.config import lora_options
 
 
 @dataclass(frozen=True)

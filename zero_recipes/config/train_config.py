@@ -17,8 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
-from zero_recipes.adapters import lora_options
-from zero_recipes.config import lr_defaults
+from zero_recipes.config import lora_options, lr_defaults
 from zero_recipes.errors import ConfigError
 from zero_recipes.training import lr_schedule
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from zero_recipes.config.hub import unreachable
 from zero_recipes.config.train_config import (
     BUILTIN_DATASET,
     BUILTIN_INSTRUCTIONS,
     DATASET_FORMATS,
     parse_inline_or_file,
 )
+from zero_recipes.modeling.hub import unreachable
 
 from ..errors import ConfigError
 from . import builtin, formats

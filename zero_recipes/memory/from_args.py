@@ -17,7 +17,7 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo:
     """(TrainConfig, model config, resolved DeepSpeed config, notes) through train.py's own parsing. `memo`
     (see `loader`) keeps the model config of arguments already read."""
     from zero_recipes import modes
-    from zero_recipes.adapters import lora_options
+    from zero_recipes.config import lora_options
     from zero_recipes.config.cli import parse_args
     from zero_recipes.ds import intake as ds_config
     from zero_recipes.ds.facts import zero_stage
@@ -60,7 +60,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
     """The CLI's arguments as train.py's command line."""
     argv = ["--recipe", args.recipe] if args.recipe else []
     if args.model:
-        # LoRA needs a pretrained base (zero_recipes.adapters.lora_options.validate_options); of a config.json the estimate reads
+        # LoRA needs a pretrained base (zero_recipes.config.lora_options.validate_options); of a config.json the estimate reads
         # only the architecture, which AutoConfig.from_pretrained reads from the file as well
         as_config = args.model.endswith(".json") and not lora_requested(args)
         argv += ["--model_config" if as_config else "--model_name_or_path", args.model]

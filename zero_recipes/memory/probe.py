@@ -35,10 +35,10 @@ import sys
 from pathlib import Path
 
 from zero_recipes.adapters import lora
-from zero_recipes.config.plan import RunPlan
 from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
 from zero_recipes.errors import ConfigError
 from zero_recipes.modeling import lm_loss, model as modeling
+from zero_recipes.plan import RunPlan
 from zero_recipes.training.engine import make_engine
 
 PHASES = ("init", "forward_backward", "optimizer_step")

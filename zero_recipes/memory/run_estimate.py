@@ -12,7 +12,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
 
     try:
         from zero_recipes.adapters.lora import lora_config
-        from zero_recipes.adapters.lora_options import enabled
+        from zero_recipes.config.lora_options import enabled
         from zero_recipes.distributed.launcher_env import rank_info
 
         # the launcher's ranks on this node: host memory is per node

@@ -72,7 +72,8 @@ def gpu_counts(num_gpus: int | None, table_gpus: tuple | str | None) -> tuple[tu
 
 def lora_of(cfg):
     """The run's peft LoraConfig (zero_recipes.adapters.lora.lora_config, as train.py wraps the model), or None."""
-    from zero_recipes.adapters import lora, lora_options
+    from zero_recipes.adapters import lora
+    from zero_recipes.config import lora_options
 
     return lora.lora_config(cfg) if lora_options.enabled(cfg) else None
 

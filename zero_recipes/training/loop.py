@@ -20,8 +20,8 @@ import torch
 from zero_recipes import data
 from zero_recipes.checkpointing.checkpoint import Checkpointer
 from zero_recipes.checkpointing.storage import StorageError
-from zero_recipes.config.plan import RunPlan
 from zero_recipes.distributed.preemption import StopRequest
+from zero_recipes.plan import RunPlan
 from zero_recipes.training import device_peak, flops, metrics_log
 from zero_recipes.training.loss_rise import LossRiseWatch
 

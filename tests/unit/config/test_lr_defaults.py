@@ -8,7 +8,7 @@ import yaml
 
 from helpers import dry_run_in_process
 from zero_recipes.config.cli import help_text, parse_args
-from zero_recipes.config.plan import RunPlan
+from zero_recipes.plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[3]
 DS = ["--deepspeed", "ds_configs/zero3.json"]

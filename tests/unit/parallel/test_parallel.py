@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoConfig
 
 from zero_recipes import modes
-from zero_recipes.adapters import lora_options
 from zero_recipes.checkpointing import resume
+from zero_recipes.config import lora_options
 from zero_recipes.config.train_config import ConfigError, TrainConfig
 from zero_recipes.ds import facts as ds_facts, intake as ds_config
 from zero_recipes.modeling.model import TINY_LLAMA

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zero_recipes.adapters import lora_options
+from zero_recipes.config import lora_options
 from zero_recipes.config.train_config import ConfigError, TrainConfig
 from zero_recipes.data.packing import collate
 from zero_recipes.ds import facts as ds_facts, intake as ds_config

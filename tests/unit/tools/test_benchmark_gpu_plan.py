@@ -12,7 +12,7 @@ import pytest
 
 from bench.gpu import benchmark as gpu, parts as gpu_parts
 from bench.moe import benchmark as moe
-from zero_recipes.config.plan import RunPlan
+from zero_recipes.plan import RunPlan
 
 
 def test_the_full_run_plans_under_8_minutes_most_valuable_parts_first():

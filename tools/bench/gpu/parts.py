@@ -76,7 +76,7 @@ def predicted(argv: list[str]) -> dict:
     """tools/estimate_memory.py's peak for the run these train.py flags make on one rank (for_run: what train.py
     itself logs on a GPU). On the CPU accelerator device and host are one pool: the worst phase's sum."""
     from zero_recipes import memory
-    from zero_recipes.config.plan import RunPlan
+    from zero_recipes.plan import RunPlan
 
     plan = RunPlan.from_args(argv)
     plan = plan.complete(plan.cfg.max_steps)

@@ -17,8 +17,8 @@ import torch
 import torch._dynamo  # noqa: F401 -- before any zero.Init, as in train.py
 
 from zero_recipes import data
-from zero_recipes.config.plan import RunPlan
 from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
+from zero_recipes.plan import RunPlan
 
 
 @dataclass

@@ -80,11 +80,11 @@ def main(argv: list[str]) -> int:
     from accelerate import PartialState
 
     from zero_recipes import data
-    from zero_recipes.config.plan import RunPlan
     from zero_recipes.data import formats
     from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
     from zero_recipes.ds import facts as ds_facts
     from zero_recipes.modeling import model as modeling
+    from zero_recipes.plan import RunPlan
 
     argv, peer = pop_flag(argv, "--peer")
     argv, out = pop_flag(argv, "--probe_out")

@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zero_recipes import modes
-from zero_recipes.adapters import lora_options
-from zero_recipes.config import hub, lr_defaults
+from zero_recipes.config import lora_options, lr_defaults
 from zero_recipes.config.cli import parse_args
 from zero_recipes.config.train_config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
 from zero_recipes.distributed.launcher_env import rank_info
 from zero_recipes.ds import intake as ds_config
 from zero_recipes.ds.facts import precision, zero_stage
 from zero_recipes.errors import ConfigError
-from zero_recipes.modeling import model as modeling, moe
+from zero_recipes.modeling import hub, model as modeling, moe
 from zero_recipes.parallel import combinations
 from zero_recipes.parallel.axis import Parallelism
 from zero_recipes.parallel.mesh import Mesh

@@ -3,8 +3,8 @@
 import pytest
 
 from helpers import dry_run_in_process, refusal
-from zero_recipes.config.plan import RunPlan
 from zero_recipes.config.train_config import ConfigError
+from zero_recipes.plan import RunPlan
 
 ZERO3 = ["--deepspeed", "ds_configs/zero3.json"]
 
