@@ -3,17 +3,10 @@ window: test_metrics_log.py."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import free_port
 from zero_recipes.training.loop import NonFiniteGuard
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest.py: a one-rank gloo group
 
 
 def test_guard_reports_the_first_non_finite_step_only():

@@ -5,18 +5,11 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import free_port
 from zero_recipes.training import metrics_log
 from zero_recipes.training.metrics_log import LogWindow
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest.py: a one-rank gloo group
 
 
 def test_window_mean_loss_throughput_and_paused_time():
