@@ -2,15 +2,22 @@
 
 At long context the loss region is the largest activation: logits for every token (s x V), their fp32
 copy, the log-softmax and its gradient, about 14 s*b*V bytes in bf16 (55 GiB for one 32k sequence at a
-128k vocabulary). Here the head and the cross-entropy run over tiles of `tile_tokens` tokens with
-DeepSpeed's `sequence_tiled_compute`: each tile's logits are made, reduced to a loss sum and dropped;
-backward recomputes one tile at a time. The summed loss equals the untiled one up to summation order.
+128k vocabulary). Here the head and the cross-entropy run over tiles of `tile_tokens` tokens, each tile
+under torch's non-reentrant checkpoint: its logits are made, reduced to a loss sum and dropped; backward
+recomputes one tile at a time. The summed loss equals the untiled one up to summation order.
 
-Why `sequence_tiled_compute` and not DeepSpeed's `TiledFusedLogitsLoss`: the latter runs the backward
-inside the forward with an incoming gradient of 1, so the head's weight gradient misses every later
-scale, DeepSpeed's 1/gradient_accumulation_steps included (measured: with 2 accumulation steps the head's
-gradient came out doubled). Recomputing in backward takes the real incoming gradient; it costs one more
-head forward per tile (about 2*h*V FLOPs per token, 2 % of an 8B model's step).
+Why one autograd graph and not DeepSpeed's `sequence_tiled_compute`: that one runs a nested
+`torch.autograd.backward` per tile, so the head's weight gradient is accumulated, and ZeRO's gradient hook
+fired, once per tile. DeepSpeed masks all but the last tile's (`ds_grad_is_ready`), which holds for an
+untied head; a tied head's weight is also the embedding's, whose gradient comes later in the same
+backward: ZeRO-2 asserted "model.embed_tokens.weight has already been reduced" (a tied Llama-3.2-1B on a
+GPU, 16 tiles) and ZeRO-3 kept the embedding's gradient without the head's (docs/dev/deepspeed-bugs.md).
+With checkpointed tiles the tiles' weight gradients add up inside autograd, with the embedding's, and each
+parameter's hook fires once per backward. Nor DeepSpeed's `TiledFusedLogitsLoss`: it runs the backward
+inside the forward with an incoming gradient of 1, so the head's weight gradient misses every later scale,
+DeepSpeed's 1/gradient_accumulation_steps included (measured: with 2 accumulation steps the head's
+gradient came out doubled). Recomputing in backward costs one more head forward per tile (about 2*h*V
+FLOPs per token, 2 % of an 8B model's step).
 
 The model's `forward` is replaced on the instance (nothing else changes): called with `labels` or
 `shift_labels`, it runs the decoder, then this loss, and returns no logits. Without them (eval,
@@ -133,8 +140,15 @@ def row_stats(head, hidden, targets, tokens_per_tile: int, zero3: bool):
 
 def summed_loss(head, hidden, targets, tiles: int):
     """Sum of the cross-entropy over the tokens whose target is not -100, in `tiles` tiles. The logits are
-    upcast to fp32 before the softmax, as transformers' ForCausalLMLoss does."""
+    upcast to fp32 before the softmax, as transformers' ForCausalLMLoss does.
+
+    Each tile is a non-reentrant checkpoint in the caller's autograd graph, not a nested backward: every
+    parameter's gradient (the head's, and with a tied head the embedding's too) is summed by autograd and
+    accumulated once per backward, as ZeRO-1/2 require (their hook asserts on a second reduction). Exactly
+    `tiles` head calls each way, empty trailing tiles included: under ZeRO-3 each call gathers (agreed_tiles)."""
+    import torch
     import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
 
     def tile_loss(x, y):
         logits = head(x).float()
@@ -142,21 +156,17 @@ def summed_loss(head, hidden, targets, tiles: int):
 
     if tiles <= 1:
         return tile_loss(hidden, targets)
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
-
-    x = hidden.reshape(1, -1, hidden.shape[-1])  # batch and sequence as one axis: tiles cut across rows
-    y = targets.reshape(1, -1)
-    return sequence_tiled_compute(
-        tile_loss,
-        x.shape[1],
-        tiles,
-        kwargs_to_shard={"x": x, "y": y},
-        kwargs_to_pass={},
-        grad_requiring_tensor_key="x",
-        compute_params=[head.weight],
-        output_unshard_dimension=0,
-        output_reduction="sum",
-    )
+    x = hidden.reshape(-1, hidden.shape[-1])  # batch and sequence as one axis: tiles cut across rows
+    y = targets.reshape(-1)
+    step = -(-x.shape[0] // tiles)
+    sizes = [max(0, min(step, x.shape[0] - i * step)) for i in range(tiles)]
+    # split, not slices: its backward concatenates the tiles' input gradients once, where each slice's would
+    # make a whole-size zero tensor. No RNG in a head and a cross-entropy: nothing to restore on recompute.
+    losses = [
+        checkpoint(tile_loss, xt, yt, use_reentrant=False, preserve_rng_state=False)
+        for xt, yt in zip(x.split(sizes), y.split(sizes))
+    ]
+    return torch.stack(losses).sum()
 
 
 def install_tiled_mlp(model, zero3: bool) -> int:

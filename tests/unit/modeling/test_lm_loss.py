@@ -60,9 +60,9 @@ def test_untiled_sum_is_transformers_loss():
 
 
 def test_deepspeed_tiled_fused_logits_loss_misses_the_upstream_scale_on_the_head():
-    """Why lm_loss uses sequence_tiled_compute: TiledFusedLogitsLoss backpropagates inside its forward with
-    a gradient of 1, so DeepSpeed's 1/gradient_accumulation_steps never reaches the head's weight. If this
-    starts failing, DeepSpeed fixed it and the cheaper function could be used."""
+    """Why lm_loss recomputes its tiles in backward: TiledFusedLogitsLoss backpropagates inside its forward
+    with a gradient of 1, so DeepSpeed's 1/gradient_accumulation_steps never reaches the head's weight. If
+    this starts failing, DeepSpeed fixed it (its backward per tile would still need a once-only gradient)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     head, hidden, targets = head_and_inputs()
@@ -116,6 +116,22 @@ def test_installed_forward_matches_the_models_own_loss_and_gradients(tie):
         assert (got[name] - ref[name]).abs().max() <= 1e-6 * max(ref[name].abs().max(), 1e-3), name
     # without labels it is the model's own forward: logits for generation, eval and the export check
     assert model(input_ids=ids).logits.shape == (2, 48, V)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_each_parameter_gets_its_gradient_once_per_backward(tie):
+    """ZeRO-1/2 take a parameter's gradient from its post-accumulate-grad hook and assert it comes once a
+    backward (stage_1_and_2.py `params_already_reduced`). DeepSpeed's sequence_tiled_compute, which the loss
+    used, ran a backward per tile: the head's hook fired 5 times here, a tied head's 6 (5 tiles, then the
+    embedding), which ZeRO-2 refused on a GPU at a 128k vocabulary. The checkpointed tiles add up in autograd."""
+    model = tiny_llama(tie)
+    fired = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.update({name: fired.get(name, 0) + 1}))
+    lm_loss.install(model, tokens_per_tile=20, tiled=True, zero3=False)
+    ids = torch.randint(0, V, (2, 48))  # 96 tokens: 5 tiles
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert fired == {name: 1 for name, _ in model.named_parameters()}
 
 
 def test_shift_labels_give_the_same_loss_as_labels():
