@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+import contract
 import file_seconds
 from helpers import CONFIGS, FAST, INJECT, PRECISIONS, SFT, SFT_ZERO0_BATCH, aio_available
 from shared_runs import SharedRuns
@@ -106,5 +107,66 @@ def sft_zero0(shared_runs):
     def get(packing: str):
         args = FAST + ["--deepspeed", *CONFIGS["zero0"], *SFT, "--packing", packing, *SFT_ZERO0_BATCH]
         return shared_runs.get(f"sft-zero0-packing-{packing}", args, launcher="forked")
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bases(trained, shared_runs):
+    """What an argument list's base-model placeholders name (contract.LORA_BASE, QLORA_BASE), made on first use."""
+
+    def get(args) -> dict[str, str]:
+        named = {}
+        if contract.LORA_BASE in args:  # a quick-start-like model directory: the session's ZeRO-3 fp32 run
+            named[contract.LORA_BASE] = str(trained("zero3", "fp32").check().output_dir)
+        if contract.QLORA_BASE in args:
+            named[contract.QLORA_BASE] = str(shared_runs.made("qlora-base", make_qlora_base))
+        return named
+
+    return get
+
+
+def make_qlora_base(out) -> None:
+    """A pretrained-style base whose layers are multiples of 64 wide: bitsandbytes' CPU 4-bit kernel needs that
+    (the LoRA base has a 352-wide MLP, which QLoRA refuses on a CPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from zero_recipes.config.train_config import TrainConfig
+    from zero_recipes.data import builtin_tokenizer_dir
+    from zero_recipes.modeling.model import TINY_LLAMA
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_dir(TrainConfig()))
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    fields.update(intermediate_size=384, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def mode_run(trained, shared_runs, bases):
+    """A contract row's run (tests/contract.py): 8 steps, a checkpoint at step 4, the export verified; trained
+    once per pytest invocation. The ZeRO rows are `trained`'s fp32 runs."""
+
+    def get(mode: contract.Mode):
+        if mode.family == "zero":
+            return trained(mode.name, "fp32")
+        args = contract.mode_args(mode.args, bases) + ["--save_steps", "4", "--verify_export"]
+        launcher = "forked+export_memory" if mode.measure_export else "forked"
+        return shared_runs.get(f"mode-{mode.name}", args, nproc=mode.nproc, launcher=launcher)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def baseline_run(trained, shared_runs, bases):
+    """The ZeRO-0 run a contract row is compared with, on the same global batch (contract.BASELINES)."""
+
+    def get(mode: contract.Mode):
+        if mode.baseline == "zero0":
+            return trained("zero0", "fp32")
+        args, key = contract.BASELINES[mode.baseline]
+        return shared_runs.get(key, contract.mode_args(args, bases) + ["--save_steps", "4"], launcher="forked")
 
     return get

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+import export_memory
 from helpers import Run, launch
 
 
@@ -30,7 +31,8 @@ class SharedRuns:
 
     def get(self, key: str, args: list[str], nproc: int = 2, launcher: str = "deepspeed", prepare=None) -> Run:
         """The finished launch of `train.py ARGS --output_dir ROOT/KEY/run`, trained by whichever worker asked
-        first. `prepare(dir)` may make what the run needs (an NVMe directory) and return extra arguments."""
+        first. `prepare(dir)` may make what the run needs (an NVMe directory) and return extra arguments.
+        launcher "forked+export_memory": forked ranks whose export gather is measured (tests/export_memory.py)."""
         where = self.root / key
         record = where / "launch.json"
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -38,9 +40,21 @@ class SharedRuns:
             if not record.exists():
                 where.mkdir(exist_ok=True)
                 extra = prepare(where) if prepare else []
-                run = launch(list(args) + extra, where / "run", nproc=nproc, launcher=launcher)
+                if launcher == "forked+export_memory":  # each rank's export gather measured (export_memory.py)
+                    run = export_memory.launch(list(args) + extra, where / "run", nproc=nproc)
+                else:
+                    run = launch(list(args) + extra, where / "run", nproc=nproc, launcher=launcher)
                 record.write_text(json.dumps(to_json(run)))
             return from_json(json.loads(record.read_text()))
+
+    def made(self, key: str, make) -> Path:
+        """ROOT/KEY, made once by `make(path)` whichever worker asks first (a model directory to train from)."""
+        where = self.root / key
+        with FileLock(str(where) + ".lock"):
+            if not (where / ".made").exists():
+                make(where)
+                (where / ".made").touch()
+        return where
 
 
 def to_json(run: Run) -> dict:

@@ -1,51 +1,53 @@
 """LoRA (peft) on every ZeRO stage, trained for real on 2 CPU ranks from a pretrained base (the session's
-zero3 fp32 run, a quick-start-like model directory): loss parity with ZeRO-0, bitwise resume, checkpoints
-without the frozen base, and adapters that are never saved empty."""
+zero3 fp32 run, a quick-start-like model directory). Loss parity with ZeRO-0, bitwise resume after a kill,
+the export and another world size are the LoRA and QLoRA rows of the contract table (tests/contract.py);
+here: checkpoints without the frozen base, adapters that are never saved empty, bf16, merging, SFT, refusals."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
+import contract
+from contract import BY_NAME, LORA_BASE, QLORA_BASE
 from helpers import (
     CONFIGS,
     EXPORT_TOL,
     FAST,
     PRECISIONS,
-    fault_env,
     launch,
     one_error_line,
     refusal,
-    remove_shm,
     run_train,
     tool_in_process,
 )
 
-# The bound the full-parameter parity test uses (tests/integration/training/test_train_configs.py)
-FP32_TOL = 1e-5
-BF16_TOL = 2e-3
-LORA = ["--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2", "--save_steps", "4", "--verify_export"]
-STAGES = ["zero0", "zero1", "zero2", "zero3", "zero2+offload_optimizer", "zero3+offload_all"]
+BF16_TOL = 2e-3  # against LoRA's fp32 ZeRO-0 run
+LORA = [*contract.LORA, "--save_steps", "4", "--verify_export"]
 
 
 @pytest.fixture(scope="module")
-def base(trained):
-    return trained("zero3", "fp32").check().output_dir
+def base(bases):
+    return Path(bases((LORA_BASE,))[LORA_BASE])
 
 
 @pytest.fixture(scope="module")
-def lora_run(base, tmp_path_factory):
-    """Each (config, precision) LoRA run once per module."""
-    runs = {}
+def base64(bases):
+    """A base whose layers are 64 wide, as bitsandbytes' CPU 4-bit kernel needs (conftest.make_qlora_base)."""
+    return Path(bases((QLORA_BASE,))[QLORA_BASE])
 
-    def get(name: str, precision: str = "fp32"):
-        if (name, precision) not in runs:
-            out = tmp_path_factory.mktemp(f"lora-{name}-{precision}") / "run"
-            args = FAST + ["--deepspeed", *CONFIGS[name], *PRECISIONS[precision], "--model_name_or_path", str(base)]
-            runs[name, precision] = launch(args + LORA, out, launcher="forked")
-        return runs[name, precision]
 
-    return get
+@pytest.fixture(scope="module")
+def lora_run(mode_run):
+    """A LoRA row's run of the contract table (tests/contract.py), which checks its parity, resume and export."""
+    return lambda name: mode_run(BY_NAME[f"lora-{name}"])
+
+
+@pytest.fixture(scope="module")
+def bf16_lora(base, tmp_path_factory):
+    args = FAST + ["--deepspeed", *CONFIGS["zero3"], *PRECISIONS["bf16"], "--model_name_or_path", str(base)]
+    return launch(args + LORA, tmp_path_factory.mktemp("lora-zero3-bf16") / "run", launcher="forked")
 
 
 def export_diff(run) -> float:
@@ -54,31 +56,11 @@ def export_diff(run) -> float:
     return diff[0]
 
 
-def step_losses(run) -> dict:
-    return {r["step"]: r["loss"] for r in run.records if "loss" in r}
-
-
-@pytest.mark.parametrize("name", STAGES)
-def test_lora_trains_on_every_stage_as_zero0_does(lora_run, name):
-    run = lora_run(name).check()
-    assert "lora: r 8, alpha 16 on all-linear; trains" in run.log and "the base frozen" in run.log
-    if name.startswith("zero3"):  # the pretrained base still loads straight into partitions
-        assert "model: built under zero.Init" in run.log
-    ref = lora_run("zero0").check().losses
-    got = run.losses
-    assert len(got) == 8
-    worst = max(abs(a - b) for a, b in zip(got, ref))
-    assert worst <= FP32_TOL, f"LoRA {name} diverges from LoRA zero0 by {worst:.3g}: {got} vs {ref}"
-    # output_dir is a PEFT adapter whose reload on its base reproduces the engine's logits
-    assert (run.output_dir / "adapter_config.json").is_file() and not (run.output_dir / "model.safetensors").exists()
-    assert export_diff(run) <= EXPORT_TOL["fp32"]
-
-
-def test_bf16_lora_matches_fp32_and_keeps_no_fp32_copy_of_the_base(lora_run):
+def test_bf16_lora_matches_fp32_and_keeps_no_fp32_copy_of_the_base(bf16_lora, baseline_run):
     import torch
 
-    run = lora_run("zero3", "bf16").check()
-    ref = lora_run("zero0").check().losses
+    run = bf16_lora.check()
+    ref = baseline_run(BY_NAME["lora-zero3"]).check().losses
     worst = max(abs(a - b) for a, b in zip(run.losses, ref))
     assert worst <= BF16_TOL, f"bf16 LoRA diverges from fp32 by {worst:.3g}"
     assert export_diff(run) <= EXPORT_TOL["bf16"]
@@ -118,26 +100,6 @@ def test_checkpoint_holds_the_adapter_not_the_base(lora_run, trained):
     lora, full = size(lora_run("zero3").check()), size(trained("zero3", "fp32").check())
     print(f"checkpoint size: LoRA {lora / 1e6:.2f} MB, full {full / 1e6:.2f} MB, ratio {lora / full:.3f}")
     assert lora < 0.15 * full
-
-
-@pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_lora_resumes_bit_for_bit(lora_run, base, name, tmp_path):
-    """SIGKILL a rank right after the step-4 checkpoint; relaunching the same command repeats the uninterrupted
-    LoRA run's losses for steps 5-8 exactly (the adapter's optimizer state, RNG and data position restored,
-    the frozen base reloaded from its pretrained weights)."""
-    full = lora_run(name).check()
-    out = tmp_path / "run"
-    args = FAST + ["--deepspeed", *CONFIGS[name], "--model_name_or_path", str(base)] + LORA
-    killed = launch(args, out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
-    remove_shm(killed.port)
-    assert killed.proc.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step-4"
-    assert not (out / "adapter_model.safetensors").exists()
-    resumed = launch(args, out, launcher="forked").check()
-    assert "resume: loaded" in resumed.log and "step-4 at step 4" in resumed.log
-    got, want = step_losses(resumed), step_losses(full)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bit for bit
-    assert (out / "adapter_model.safetensors").is_file()
 
 
 def test_merge_lora_writes_a_plain_model_with_the_engines_logits(base, tmp_path):
@@ -200,16 +162,14 @@ def test_lora_needs_a_pretrained_base():
     assert "set --model_name_or_path" in one_error_line(proc) and proc.returncode == 2
 
 
-def test_resuming_with_other_lora_settings_or_another_world_size_is_refused(lora_run, base, tmp_path):
+def test_resuming_with_other_lora_settings_is_refused(lora_run, base, tmp_path):
+    """(Another world size: the lora-zero2 row's layout column, tests/contract.py.)"""
     run = lora_run("zero2").check()
     out = tmp_path / "run"
     shutil.copytree(run.output_dir, out)
     args = FAST + ["--deepspeed", *CONFIGS["zero2"], "--model_name_or_path", str(base), *LORA]
     line = refusal(*args, "--lora_r", "4", "--resume_from_checkpoint", "auto", "--output_dir", str(out))
     assert "other adapter settings (lora_r)" in line
-    # one rank instead of two: DeepSpeed's universal conversion cannot carry a checkpoint without the base
-    line = refusal(*args, "--resume_from_checkpoint", "auto", "--output_dir", str(out))
-    assert "Resume with 2 rank(s) and ZeRO-2" in line
 
 
 def test_export_tool_and_generate_take_a_lora_run(lora_run, tmp_path):
@@ -232,41 +192,10 @@ def test_export_tool_and_generate_take_a_lora_run(lora_run, tmp_path):
     assert text.returncode == 0 and text.stdout.strip(), text.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def base64(tmp_path_factory, shared_cache):
-    """A pretrained-style base whose layers are multiples of 64 wide: bitsandbytes' CPU 4-bit kernel needs
-    that (the session's base has a 352-wide MLP, which QLoRA refuses on a CPU)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from zero_recipes.config.train_config import TrainConfig
-    from zero_recipes.data import builtin_tokenizer_dir
-    from zero_recipes.modeling.model import TINY_LLAMA
-
-    tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_dir(TrainConfig()))
-    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
-    fields.update(intermediate_size=384, vocab_size=len(tokenizer))
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("base64")
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields)).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def test_qlora_trains_a_4bit_base_on_zero0_and_zero2_alike(base64, tmp_path):
-    """QLoRA (bitsandbytes NF4 base) on 2 CPU ranks: ZeRO-2 computes ZeRO-0's losses; the checkpoint holds
-    the adapter only; the adapter reloaded on the 4-bit base reproduces the engine's logits."""
-    runs = {}
-    for name in ("zero0", "zero2"):
-        args = FAST + ["--deepspeed", *CONFIGS[name], "--model_name_or_path", str(base64), *LORA, "--load_in_4bit"]
-        runs[name] = launch(args, tmp_path / name, launcher="forked").check()
-    got, ref = runs["zero2"].losses, runs["zero0"].losses
-    assert len(got) == 8 and max(abs(a - b) for a, b in zip(got, ref)) <= FP32_TOL, (got, ref)
-    # the reloaded adapter on a freshly quantised base: measured 4.1e-3 from the engine in fp32 (the adapter
-    # tensors are DeepSpeed's exactly; where the last bits differ in the 4-bit forward is not pinned down)
-    assert export_diff(runs["zero2"]) <= 1e-2
-    ckpt = runs["zero2"].output_dir / "checkpoints" / "step-8"
-    assert sum(f.stat().st_size for f in ckpt.glob("*model_states.pt")) < 2e6  # no 4-bit base in the checkpoint
+def test_the_qlora_checkpoint_holds_no_4bit_base(mode_run):
+    """QLoRA's parity with ZeRO-0 and its export are the qlora-zero2 row's (tests/contract.py)."""
+    ckpt = mode_run(BY_NAME["qlora-zero2"]).check().output_dir / "checkpoints" / "step-8"
+    assert sum(f.stat().st_size for f in ckpt.glob("*model_states.pt")) < 2e6
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
 """Resume on another world size or ZeRO stage: train.py converts the checkpoint with DeepSpeed's universal
-checkpoint (ds_to_universal, load_universal) by itself, and the losses continue."""
+checkpoint (ds_to_universal, load_universal) by itself, and the losses continue. Two ranks to one and one
+stage to another are the ZeRO rows' layout column of the contract table (tests/contract.py); here: one rank to
+two, and the change DeepSpeed cannot convert, refused through the real launcher."""
 
 import json
 
@@ -22,23 +24,6 @@ def resume(args, out, nproc, ga):
         nproc=nproc,
         launcher=launcher,
     ).check()
-
-
-@pytest.mark.parametrize(
-    "saved,resumed",
-    [("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "zero3"), ("zero1", "zero2"), ("zero2", "zero1")],
-    ids=["zero1 2->1 ranks", "zero2 2->1 ranks", "zero3 2->1 ranks", "zero1->zero2 2 ranks", "zero2->zero1 2 ranks"],
-)
-def test_resume_from_two_ranks_on_another_world_or_stage(saved, resumed, trained, tmp_path):
-    full = trained(saved, "fp32").check()
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    nproc = 1 if saved == resumed else 2
-    run = resume(FAST + ["--deepspeed", *CONFIGS[resumed], "--save_steps", "4"], out, nproc, ga=2 // nproc)
-    assert "converting it with DeepSpeed's universal checkpoint" in run.log
-    assert "step-4-universal at step 4" in run.log
-    got, want = step_losses(run), step_losses(full)
-    assert sorted(got) == list(range(1, 9))
-    assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= UNIVERSAL_TOL[resumed], (got, want)
 
 
 @pytest.fixture(scope="module")

@@ -7,32 +7,27 @@ data order hands out the same rows per step either way, and gradient clipping is
 so the per-step fp32 losses and grad norms must be ZeRO-0's: only the summation order differs (measured
 within 5e-7 over 8 steps). The grad norm is the check on DeepSpeed's ZeRO-0 clipping under PP, which counts
 the first stage's gradients alone (docs/dev/deepspeed-bugs.md#clipping): uncorrected it is 24-77 % of the true norm
-here, and the losses drift from ZeRO-0's by 4.6e-3 by step 7.
+here, and the losses drift from ZeRO-0's by 4.6e-3 by step 7. Those checks, resume, the export tool and layout
+changes are the PP rows of the contract table (tests/contract.py); this file holds what is particular to PP.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
 import export_memory
+from contract import BY_NAME, MODES
 from helpers import (
     CONFIGS,
     FAST,
     REPO,
     SFT,
-    at_step_4,
     dry_run_in_process,
     export_diff,
-    fault_env,
     launch,
     refusal,
-    remove_shm,
     step_losses,
 )
 from zero_recipes.config.shipped import PIPELINE_PARALLEL
@@ -40,39 +35,8 @@ from zero_recipes.config.shipped import PIPELINE_PARALLEL
 PP2 = PIPELINE_PARALLEL[2]
 PARITY = 1e-5  # fp32 per-step losses and export logits; measured max 4.8e-7 (losses), 0 (logits)
 SFT_PARITY = 2e-5  # packed SFT with gradient checkpointing: measured 6.7e-6 by step 7, as under TP
-NORM_PARITY = 1e-4  # relative; measured 5e-5 against the ZeRO-0 baseline's own norm (equal to ZeRO-1's bit for bit)
 
-# name -> (ranks, ZeRO stage, micro-batch, accumulation steps): 8 sequences a step in every layout. The ZeRO-1
-# run also recomputes every block in backward (DeepSpeed's pipeline.activation_checkpoint_interval = 1).
-LAYOUTS = {
-    "pp2-zero0": (2, "zero0", 4, 2),
-    "pp2-zero1": (2, "zero1", 4, 2),
-    "pp2xdp2-zero1": (4, "zero1", 2, 2),
-}
-CHECKPOINT_EVERY_BLOCK = Path(tempfile.mkdtemp(prefix="pp-fragment-")) / "pp2-checkpointed.json"
-CHECKPOINT_EVERY_BLOCK.write_text('{"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}')
-
-
-def pp_args(name: str) -> list[str]:
-    _, zero, micro, accumulation = LAYOUTS[name]
-    batch = ["--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation)]
-    fragment = str(CHECKPOINT_EVERY_BLOCK) if name == "pp2-zero1" else PP2
-    return FAST + ["--deepspeed", *CONFIGS[zero], fragment, *batch, "--save_steps", "4"]
-
-
-@pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
-    runs = {}
-
-    def get(name: str):
-        if name not in runs:
-            out = tmp_path_factory.mktemp(name) / "run"
-            # each rank's export gather is measured too (tests/export_memory.py)
-            runs[name] = export_memory.launch(pp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0])
-            runs[name].check()
-        return runs[name]
-
-    return get
+PP_ROWS = [m for m in MODES if m.family == "pp"]  # the contract's rows (tests/contract.py)
 
 
 def exported_names(model_dir) -> set:
@@ -93,25 +57,14 @@ def whole_model_names(model_dir) -> set:
     return names
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fp32_losses_match_zero0_on_the_same_global_batch(name, pp_run, trained):
-    nproc = LAYOUTS[name][0]
-    run, base = pp_run(name), trained("zero0", "fp32").check()
-    assert f"distributed: {nproc} ranks = {nproc // 2} data-parallel x 2 pipeline-parallel" in run.log
-    assert "plan: 8 steps x 8 sequences x 64 tokens" in run.log  # the "auto" batch counts pipelines, not ranks
-    assert "pipeline: 2 stages of 7 layers (embedding, 4 blocks, norm, head) by parameters" in run.log
-    got, want = step_losses(run), step_losses(base)
-    assert sorted(got) == list(range(1, 9))
-    assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
-    # clipping sees every stage's gradients: the norm is the whole model's (DeepSpeed's ZeRO-0 PP norm is not)
-    norms = [{r["step"]: r["grad_norm"] for r in x.records if "loss" in r} for x in (run, base)]
-    assert all(abs(norms[0][s] - norms[1][s]) <= NORM_PARITY * norms[1][s] for s in range(1, 9)), norms
+@pytest.mark.parametrize("mode", PP_ROWS, ids=lambda m: m.name)
+def test_the_checkpoint_is_a_file_per_layer_and_the_export_the_whole_model(mode, mode_run):
+    run = mode_run(mode).check()
     # tokens/s is counted once per pipeline: a stage's share is the pipeline's tokens over its 2 ranks
     first = next(r for r in run.records if "tokens_per_sec" in r)
-    assert first["tokens_per_sec"] == pytest.approx(first["tokens_per_sec_per_device"] * nproc)
-    # the export is the whole model, every stage's layers under their HF names; from_pretrained reproduces it
+    assert first["tokens_per_sec"] == pytest.approx(first["tokens_per_sec_per_device"] * mode.nproc)
+    # the export is the whole model, every stage's layers under their HF names
     assert exported_names(run.output_dir) == whole_model_names(run.output_dir)
-    assert export_diff(run) <= PARITY
     # the checkpoint is DeepSpeed's pipeline layout: a file per layer and per stage
     step4 = run.output_dir / "checkpoints" / "step-4"
     assert len(list(step4.glob("layer_*-model_states.pt"))) == 7
@@ -157,67 +110,8 @@ def test_every_recipe_family_splits_into_stages_and_matches_zero0(family, tmp_pa
     assert exported_names(run.output_dir) == whole_model_names(run.output_dir)  # tied: stored once
 
 
-def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(pp_run, tmp_path):
-    full = pp_run("pp2-zero0")
-    out = tmp_path / "run"
-    killed = launch(pp_args("pp2-zero0"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
-    remove_shm(killed.port)
-    assert killed.proc.returncode != 0
-    again = launch(pp_args("pp2-zero0"), out, launcher="forked").check()
-    assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
-    got, want = step_losses(again), step_losses(full)
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
-
-
-@pytest.mark.parametrize(
-    "saved,nproc,micro,says",
-    [
-        ("pp2xdp2-zero1", 2, 4, "step-4-universal at step 4"),  # ZeRO-1: DeepSpeed's universal conversion
-        ("pp2-zero0", 4, 2, "every replica loads its stage's files as saved"),  # ZeRO-0: no partitions to move
-    ],
-    ids=["zero1 2->1 pipelines", "zero0 1->2 pipelines"],
-)
-def test_a_resume_moves_to_another_number_of_pipelines_at_the_same_stages(saved, nproc, micro, says, pp_run, tmp_path):
-    full = pp_run(saved)
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    zero = LAYOUTS[saved][1]
-    batch = ["--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2"]
-    args = FAST + ["--deepspeed", *CONFIGS[zero], PP2, *batch, "--save_steps", "4", "--resume_from_checkpoint", "auto"]
-    run = launch(args, out, nproc=nproc, launcher="forked").check()
-    assert says in run.log
-    got, want = step_losses(run), step_losses(full)
-    assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
-
-
-def test_a_resume_at_another_stage_count_is_refused_in_one_line(pp_run, tmp_path):
-    out = at_step_4(pp_run("pp2-zero0").output_dir, tmp_path / "run")
-    args = FAST + ["--deepspeed", *CONFIGS["zero0"], PIPELINE_PARALLEL[4], "--resume_from_checkpoint", "auto"]
-    line = refusal(*args, "--output_dir", out, world=4)
-    assert "saved with pipeline.stages 2 at 4 stage(s)" in line and "tools/export_hf.py" in line
-    assert (out / "checkpoints" / "step-4").is_dir()  # nothing of the run lost
-
-
-def test_export_tool_maps_the_layer_files_to_the_trained_model(pp_run, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    run = pp_run("pp2xdp2-zero1")
-    proc = subprocess.run(
-        [sys.executable, "tools/export_hf.py", str(run.output_dir), str(tmp_path / "hf")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ids = torch.randint(0, 1000, (2, 32))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    trained = AutoModelForCausalLM.from_pretrained(run.output_dir).eval()
-    with torch.no_grad():
-        assert torch.equal(exported(ids).logits, trained(ids).logits)
-
-
-def test_lora_with_pp_is_refused_in_one_line(pp_run):
-    base = pp_run("pp2-zero0").output_dir  # a model directory to adapt
+def test_lora_with_pp_is_refused_in_one_line(mode_run):
+    base = mode_run(BY_NAME["pp2-zero0"]).check().output_dir  # a model directory to adapt
     args = ["--deepspeed", *CONFIGS["zero1"], PP2, "--model_name_or_path", str(base), "--lora_r", "8"]
     assert "pipeline.stages = 2 with LoRA" in refusal(*args, "--dry_run", world=2)
 
@@ -246,7 +140,7 @@ def test_the_mesh_in_the_docs_is_what_the_dry_run_draws():
     assert drawn_in_docs in out and len(drawn_in_docs.splitlines()) == 6
 
 
-def test_the_export_holds_the_model_once_on_rank_0_and_no_copy_on_the_other_ranks(pp_run):
+def test_the_export_holds_the_model_once_on_rank_0_and_no_copy_on_the_other_ranks(mode_run):
     """What each rank allocates while the export gathers the stages' weights (tests/export_memory.py: the CPU
     allocator's own count) in PP2 x DP2 on 4 ranks: rank 0 (stage 0) may hold the state dict it writes, the
     whole model once; rank 2 (stage 1 of the first pipeline) sends its weights as they are; ranks 1 and 3 (the
@@ -256,7 +150,7 @@ def test_the_export_holds_the_model_once_on_rank_0_and_no_copy_on_the_other_rank
     unpickling) rank 0 peaked at 5.0x the model, rank 2 at 2.0x its stage, and ranks 1 and 3, which sent None,
     at the largest stage each. On NCCL those byte tensors are CUDA memory: 32 x 17.5 GB on rank 0's GPU for
     the 70B pp8 x dp4 recipe."""
-    writer, *others = export_memory.read(pp_run("pp2xdp2-zero1").output_dir, 4)
+    writer, *others = export_memory.read(mode_run(BY_NAME["pp2xdp2-zero1"]).check().output_dir, 4)
     model = writer["written"]
     assert writer["held"] == model and all(r["held"] == r["written"] == 0 for r in others), (writer, others)
     assert writer["peak"] <= model * 1.01 + 64 * 1024, (writer, model)  # each received tensor is the one kept

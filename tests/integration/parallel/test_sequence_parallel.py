@@ -3,32 +3,29 @@
 Every SP run trains the same rows per step as the ZeRO-0 run of the `trained` fixture (2 ranks x micro 4):
 SP2 on 2 ranks is one data-parallel replica with micro 8, SP2 x DP2 on 4 ranks two with micro 4. Each rank
 trains half of every row; attention all-to-alls to whole rows. The fp32 losses must match ZeRO-0's step
-by step: only the summation order differs (measured: within 9.5e-7 over 8 steps).
+by step: only the summation order differs (measured: within 9.5e-7 over 8 steps). Those checks, resume, the
+export tool and layout changes are the SP rows of the contract table (tests/contract.py); this file holds
+what is particular to SP.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
+from contract import BY_NAME, MODES, micro
 from helpers import (
     CONFIGS,
     FAST,
-    REPO,
     SFT,
     SFT_ZERO0_BATCH,
-    at_step_4,
     dry_run_in_process,
     export_diff,
-    fault_env,
     launch,
     one_error_line,
     refusal,
-    remove_shm,
     step_losses,
     train_as_world,
 )
@@ -40,54 +37,15 @@ PARITY = 1e-5  # fp32 per-step loss and export logits; measured max 9.5e-7 (loss
 # gradient checkpointing recomputes the all-to-alls: measured 2.4e-6 by step 8 against ZeRO-0.
 SFT_PARITY = 2e-5
 
-# name -> (ranks, ZeRO combination); the micro-batch keeps the ZeRO-0 run's rows per step
-LAYOUTS = {
-    "sp2-zero1": (2, "zero1"),
-    "sp2-zero3": (2, "zero3"),
-    "sp2xdp2-zero3": (4, "zero3"),
-}
+SP_ROWS = [m for m in MODES if m.family == "sp"]
 
 
-def micro(nproc: int) -> list[str]:
-    return ["--per_device_train_batch_size", str(8 // (nproc // 2))]
-
-
-def sp_args(name: str) -> list[str]:
-    nproc, combo = LAYOUTS[name]
-    return FAST + ["--deepspeed", *CONFIGS[combo], SP2, *micro(nproc), "--save_steps", "4"]
-
-
-@pytest.fixture(scope="module")
-def sp_run(tmp_path_factory):
-    runs = {}
-
-    def get(name: str):
-        if name not in runs:
-            out = tmp_path_factory.mktemp(name) / "run"
-            runs[name] = launch(
-                sp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="forked"
-            ).check()
-        return runs[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fp32_losses_match_zero0_on_the_same_global_batch(name, sp_run, trained):
-    nproc = LAYOUTS[name][0]
-    run, base = sp_run(name), trained("zero0", "fp32").check()
-    assert f"distributed: {nproc} ranks = {nproc // 2} data-parallel x 2 sequence-parallel" in run.log
-    assert "plan: 8 steps x 8 sequences x 64 tokens" in run.log  # the "auto" batch counts replicas, not ranks
-    got, want = step_losses(run), step_losses(base)
-    assert sorted(got) == list(range(1, 9))
-    assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
-    # clipping sees the gradient of the whole batch: a wrong SP scale would show in the norm (ZeRO-3 halved it)
-    norms = [{r["step"]: r["grad_norm"] for r in x.records if "loss" in r} for x in (run, base)]
-    assert all(abs(norms[0][s] - norms[1][s]) <= 1e-4 * norms[1][s] for s in range(1, 9)), norms
-    # tokens/s counts each row once: a replica's rows over the devices that trained them
+@pytest.mark.parametrize("mode", SP_ROWS, ids=lambda m: m.name)
+def test_tokens_per_sec_counts_each_row_once(mode, mode_run):
+    """A replica's rows over the devices that trained them, not once per rank of the SP group."""
+    run = mode_run(mode).check()
     rec = [r for r in run.records if "tokens_per_sec" in r][-1]
-    assert rec["tokens_per_sec"] == pytest.approx(rec["tokens_per_sec_per_device"] * nproc)
-    assert export_diff(run) <= PARITY
+    assert rec["tokens_per_sec"] == pytest.approx(rec["tokens_per_sec_per_device"] * mode.nproc)
 
 
 @pytest.mark.parametrize("packing", ["true", "false"])
@@ -144,70 +102,12 @@ def test_tiled_mlp_trains_to_the_same_losses_under_zero3(tmp_path):
     """TiledMLP in 2 tiles per layer (hidden 16, 32 tokens per rank), ZeRO-3 gathering the MLP's weights once
     per tile: the same losses as the plain MLP."""
     narrow = ["--model_config", json.dumps({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2})]
-    run = launch(sp_args("sp2-zero3") + narrow + ["--tiled_mlp", "true"], tmp_path / "tiled", launcher="forked").check()
-    plain = launch(sp_args("sp2-zero3") + narrow, tmp_path / "plain", launcher="forked").check()
+    args = FAST + ["--deepspeed", *BY_NAME["sp2-zero3"].args, *narrow]
+    run = launch(args + ["--tiled_mlp", "true"], tmp_path / "tiled", launcher="forked").check()
+    plain = launch(args, tmp_path / "plain", launcher="forked").check()
     assert "decoder MLPs run in tiles of 16 tokens" in run.log
     got, want = step_losses(run), step_losses(plain)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
-
-
-@pytest.mark.parametrize("name", ["sp2-zero3"])  # sp2-zero1: the SIGKILL test below resumes it, the same check
-def test_resume_on_the_same_layout_is_bit_for_bit(name, sp_run, tmp_path):
-    full = sp_run(name)
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    again = launch(sp_args(name) + ["--resume_from_checkpoint", "auto"], out, launcher="forked").check()
-    got, want = step_losses(again), step_losses(full)
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
-
-
-def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(sp_run, tmp_path):
-    full = sp_run("sp2-zero1")
-    out = tmp_path / "run"
-    killed = launch(sp_args("sp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
-    remove_shm(killed.port)
-    assert killed.proc.returncode != 0
-    again = launch(sp_args("sp2-zero1"), out, launcher="forked").check()
-    assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
-    got, want = step_losses(again), step_losses(full)
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
-
-
-@pytest.mark.parametrize(
-    "nproc,configs,words",
-    [
-        (4, [SP2], "this run has 2 data-parallel x 2 sequence-parallel with ZeRO-1"),
-        (2, [], "this run has 2 with ZeRO-1"),  # SP 2 -> 1: the weights are whole on every rank
-    ],
-    ids=["more-replicas", "sp2->sp1"],
-)
-def test_a_universal_resume_moves_to_another_layout(nproc, configs, words, sp_run, tmp_path):
-    full = sp_run("sp2-zero1")  # 1 data-parallel x 2 sequence-parallel
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    size = micro(nproc) if configs else ["--per_device_train_batch_size", "4"]
-    args = FAST + ["--deepspeed", *CONFIGS["zero1"], *configs, *size, "--save_steps", "4"]
-    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=nproc, launcher="forked").check()
-    assert words in run.log and "step-4-universal at step 4" in run.log
-    got, want = step_losses(run), step_losses(full)
-    assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
-
-
-def test_export_tool_writes_the_trained_model(sp_run, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    run = sp_run("sp2-zero1")
-    proc = subprocess.run(
-        [sys.executable, "tools/export_hf.py", str(run.output_dir), str(tmp_path / "hf")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ids = torch.randint(0, 1000, (2, 32))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    trained = AutoModelForCausalLM.from_pretrained(run.output_dir).eval()
-    with torch.no_grad():
-        assert torch.equal(exported(ids).logits, trained(ids).logits)
 
 
 # ---- bad input: one line, exit 2, before any process group (a single process stands in for the ranks) ----

@@ -4,30 +4,28 @@ Every TP run trains the same rows per step as the ZeRO-0 run of the `trained` fi
 TP2 on 2 ranks is one data-parallel replica with micro 8, TP2 x DP2 on 4 ranks is two with micro 4. The
 data order hands out the same rows per step either way, so the fp32 losses must match ZeRO-0's step by
 step: only the summation order inside the split layers differs (measured: within 5e-7 over 8 steps).
+Those checks, resume, the export tool and layout changes are the TP rows of the contract table
+(tests/contract.py); this file holds what is particular to TP.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
+from contract import MODES, micro
 from helpers import (
     CONFIGS,
     FAST,
     REPO,
     SFT,
-    at_step_4,
     dry_run_in_process,
     export_diff,
-    fault_env,
     launch,
     one_error_line,
     refusal,
-    remove_shm,
     step_losses,
     train_as_world,
 )
@@ -43,58 +41,13 @@ SFT_PARITY = 2e-5
 # logits differ from an unsplit bf16 forward by a bf16 ulp at |logit| ~ 4 (measured 0.0156).
 BF16_EXPORT_TOL = 5e-2
 
-# name -> (ranks, ZeRO combination); the micro-batch keeps the ZeRO-0 run's rows per step
-LAYOUTS = {
-    "tp2-zero1": (2, "zero1"),
-    "tp2-zero2": (2, "zero2"),
-    "tp2-zero3": (2, "zero3"),
-    "tp2-zero2-offload": (2, "zero2+offload_optimizer"),
-    "tp2-zero3-offload": (2, "zero3+offload_all"),
-    "tp2xdp2-zero1": (4, "zero1"),
-    "tp2xdp2-zero2": (4, "zero2"),
-    "tp2xdp2-zero3": (4, "zero3"),
-}
+TP_ROWS = [m for m in MODES if m.family == "tp"]  # the contract's rows (tests/contract.py): parity, resume, export
 
 
-def micro(nproc: int) -> list[str]:
-    return ["--per_device_train_batch_size", str(8 // (nproc // 2))]
-
-
-def tp_args(name: str) -> list[str]:
-    nproc, combo = LAYOUTS[name]
-    return FAST + ["--deepspeed", *CONFIGS[combo], TP2, *micro(nproc), "--save_steps", "4"]
-
-
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
-    runs = {}
-
-    def get(name: str):
-        if name not in runs:
-            out = tmp_path_factory.mktemp(name) / "run"
-            runs[name] = launch(
-                tp_args(name) + ["--verify_export"], out, nproc=LAYOUTS[name][0], launcher="forked"
-            ).check()
-        return runs[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fp32_losses_match_zero0_on_the_same_global_batch(name, tp_run, trained):
-    nproc = LAYOUTS[name][0]
-    run, base = tp_run(name), trained("zero0", "fp32").check()
-    assert f"distributed: {nproc} ranks = {nproc // 2} data-parallel x 2 tensor-parallel" in run.log
-    assert "plan: 8 steps x 8 sequences x 64 tokens" in run.log  # the "auto" batch counts replicas, not ranks
-    got, want = step_losses(run), step_losses(base)
-    assert sorted(got) == list(range(1, 9))
-    assert max(abs(got[s] - want[s]) for s in got) <= PARITY, (got, want)
-    # gradient clipping sees the whole gradient: the norm over every shard, replicated parts counted once
-    norms = [{r["step"]: r["grad_norm"] for r in x.records if "loss" in r} for x in (run, base)]
-    assert all(abs(norms[0][s] - norms[1][s]) <= 1e-4 * norms[1][s] for s in range(1, 9)), norms
-    # the export is the whole model (AutoTP's shards gathered), and plain from_pretrained reproduces the engine
-    assert export_diff(run) <= PARITY
-    assert_whole_weights(run.output_dir)
+@pytest.mark.parametrize("mode", TP_ROWS, ids=lambda m: m.name)
+def test_the_export_is_the_whole_model_not_a_shard(mode, mode_run):
+    """The export gathers AutoTP's shards: every weight has the unsplit model's shape."""
+    assert_whole_weights(mode_run(mode).check().output_dir)
 
 
 def assert_whole_weights(model_dir):
@@ -127,82 +80,6 @@ def test_every_recipe_family_with_a_tp_plan_matches_zero0(family, tmp_path):
     got, want = step_losses(run), step_losses(base)
     assert max(abs(got[s] - want[s]) for s in range(1, 9)) <= PARITY, (got, want)
     assert export_diff(run) <= PARITY
-
-
-def test_a_rank_killed_after_a_save_ends_the_job_and_the_relaunch_resumes_bit_for_bit(tp_run, tmp_path):
-    full = tp_run("tp2-zero1")
-    out = tmp_path / "run"
-    killed = launch(tp_args("tp2-zero1"), out, launcher="torchrun", env=fault_env(kill="after_save:4:1"))
-    remove_shm(killed.port)
-    assert killed.proc.returncode != 0
-    again = launch(tp_args("tp2-zero1"), out, launcher="forked").check()
-    assert f"resume: loaded {out / 'checkpoints' / 'step-4'} at step 4" in again.log
-    got, want = step_losses(again), step_losses(full)
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # exact, not close
-
-
-def test_zero3_tp_resumes_bit_for_bit_on_its_own_layout(tp_run, tmp_path):
-    full = tp_run("tp2-zero3")
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    again = launch(tp_args("tp2-zero3") + ["--resume_from_checkpoint", "auto"], out, launcher="forked").check()
-    got, want = step_losses(again), step_losses(full)
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
-
-
-def test_a_universal_resume_moves_to_more_data_parallel_replicas_at_the_same_tp(tp_run, tmp_path):
-    full = tp_run("tp2-zero1")  # 1 data-parallel x 2 tensor-parallel
-    out = at_step_4(full.output_dir, tmp_path / "run")
-    args = FAST + ["--deepspeed", *CONFIGS["zero1"], TP2, *micro(4), "--save_steps", "4"]
-    run = launch(args + ["--resume_from_checkpoint", "auto"], out, nproc=4, launcher="forked").check()
-    assert "saved by 1 data-parallel x 2 tensor-parallel rank(s) with ZeRO-1, this run has 2 data-parallel" in run.log
-    assert "step-4-universal at step 4" in run.log
-    got, want = step_losses(run), step_losses(full)
-    assert max(abs(got[s] - want[s]) for s in range(5, 9)) <= PARITY, (got, want)
-
-
-@pytest.mark.parametrize(
-    "name,nproc,configs,expected",
-    [
-        ("tp2-zero1", 2, CONFIGS["zero1"], "saved with tensor_parallel.autotp_size 2 at autotp_size 1"),
-        ("tp2-zero3", 4, (*CONFIGS["zero3"], TP2), "Resume with 1 data-parallel x 2 tensor-parallel ranks and ZeRO-3"),
-    ],
-    ids=["tp2->tp1", "zero3 tp2 1->2 replicas"],
-)
-def test_a_resume_deepspeed_cannot_convert_is_refused_in_one_line(name, nproc, configs, expected, tp_run, tmp_path):
-    """Refused before any process group, so checked in-process as rank 0 of the new world (the launcher's exit
-    2 for a resume refusal: test_universal_resume.py's ZeRO-3 -> ZeRO-2)."""
-    out = at_step_4(tp_run(name).output_dir, tmp_path / "run")
-    args = FAST + ["--deepspeed", *configs, *micro(nproc), "--save_steps", "4", "--resume_from_checkpoint", "auto"]
-    assert expected in refusal(*args, "--output_dir", out, world=nproc)
-    assert (out / "checkpoints" / "step-4").is_dir()  # nothing of the run lost
-
-
-def export_tool(*args):
-    return subprocess.run(
-        [sys.executable, "tools/export_hf.py", *map(str, args)], cwd=REPO, capture_output=True, text=True
-    )
-
-
-@pytest.mark.parametrize("name", ["tp2-zero1", "tp2xdp2-zero2"])
-def test_export_tool_merges_tp_shards_into_the_trained_model(name, tp_run, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    run = tp_run(name)
-    proc = export_tool(run.output_dir, tmp_path / "hf")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_whole_weights(tmp_path / "hf")
-    ids = torch.randint(0, 1000, (2, 32))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    trained = AutoModelForCausalLM.from_pretrained(run.output_dir).eval()
-    with torch.no_grad():
-        assert torch.equal(exported(ids).logits, trained(ids).logits)
-
-
-def test_export_tool_refuses_a_zero3_tp_checkpoint_in_one_line(tp_run, tmp_path):
-    proc = export_tool(tp_run("tp2-zero3").output_dir, tmp_path / "hf")
-    assert one_error_line(proc).endswith("the output_dir it finishes is the exported model")
-    assert not (tmp_path / "hf").exists()
 
 
 def test_packed_sft_with_checkpointing_matches_zero0_losses_eval_and_exact_match(sft_zero0, tmp_path):

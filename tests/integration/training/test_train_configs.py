@@ -1,14 +1,13 @@
 """Every shipped DeepSpeed config trains for real (2 CPU ranks; the quick start's ZeRO-3 under the deepspeed
-launcher, the rest under torchrun's agent with forked ranks: conftest.baseline_launcher), the loss falls, and every ZeRO stage computes
-the same losses as plain data parallel from the same seed."""
+launcher, the rest under torchrun's agent with forked ranks: conftest.baseline_launcher), the loss falls, and bf16
+stays near the exact fp32 answer. That every stage computes plain data parallel's fp32 losses, resumes after a
+kill and exports the engine's model are the ZeRO rows of the contract table (tests/contract.py)."""
 
 import pytest
 
 from helpers import CONFIGS, EXPORT_TOL, PRECISIONS
 
-# Measured on this CPU (2 ranks, 8 steps, fp32): ZeRO-1/2/3, both offloads and NVMe agree with ZeRO-0 to
-# 1e-6, the rounding of metrics.jsonl. The bound is 10x that.
-FP32_TOL = 1e-5
+FP32_TOL = 1e-5  # --torch_compile against eager: measured 1e-7 (the ZeRO stages against ZeRO-0: contract.PARITY)
 # bf16 runs are compared with the fp32 ZeRO-0 run, the exact answer. ZeRO-1/2/3 and offload in bf16
 # (DeepSpeed's ZeRO optimizers, fp32 master weights) stayed within 8.1e-4 of it. ZeRO-0 bf16 goes
 # through DeepSpeed's FP16_UnfusedOptimizer and drifted 5.3e-2 by step 8, with or without clipping:
@@ -28,15 +27,6 @@ def test_config_trains_and_loss_falls(trained, name, precision):
     # export: the reloaded HF model reproduces the engine's logits
     diff = [r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r]
     assert diff and diff[0] <= EXPORT_TOL[precision], diff
-
-
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "zero0"])
-def test_fp32_loss_parity_with_zero0(trained, name):
-    ref = trained("zero0", "fp32").check().losses
-    got = trained(name, "fp32").check().losses
-    assert abs(got[0] - ref[0]) < 1e-5, "same seed must give the same initial model whatever the stage"
-    worst = max(abs(a - b) for a, b in zip(got, ref))
-    assert worst <= FP32_TOL, f"{name} diverges from zero0 by {worst:.3g}: {got} vs {ref}"
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "zero3+nvme"])
