@@ -2,22 +2,23 @@
 
 At long context the loss region is the largest activation: logits for every token (s x V), their fp32
 copy, the log-softmax and its gradient, about 14 s*b*V bytes in bf16 (55 GiB for one 32k sequence at a
-128k vocabulary). Here the head and the cross-entropy run over tiles of `tile_tokens` tokens, each tile
-under torch's non-reentrant checkpoint: its logits are made, reduced to a loss sum and dropped; backward
-recomputes one tile at a time. The summed loss equals the untiled one up to summation order.
+128k vocabulary). Here the head and the cross-entropy run over tiles of `tile_tokens` tokens: each tile's
+logits are made, reduced to a loss sum and dropped; backward recomputes one tile at a time. The summed loss
+equals the untiled one up to summation order.
 
-Why one autograd graph and not DeepSpeed's `sequence_tiled_compute`: that one runs a nested
-`torch.autograd.backward` per tile, so the head's weight gradient is accumulated, and ZeRO's gradient hook
-fired, once per tile. DeepSpeed masks all but the last tile's (`ds_grad_is_ready`), which holds for an
-untied head; a tied head's weight is also the embedding's, whose gradient comes later in the same
-backward: ZeRO-2 asserted "model.embed_tokens.weight has already been reduced" (a tied Llama-3.2-1B on a
-GPU, 16 tiles) and ZeRO-3 kept the embedding's gradient without the head's (docs/dev/deepspeed-bugs.md).
-With checkpointed tiles the tiles' weight gradients add up inside autograd, with the embedding's, and each
-parameter's hook fires once per backward. Nor DeepSpeed's `TiledFusedLogitsLoss`: it runs the backward
-inside the forward with an incoming gradient of 1, so the head's weight gradient misses every later scale,
-DeepSpeed's 1/gradient_accumulation_steps included (measured: with 2 accumulation steps the head's
-gradient came out doubled). Recomputing in backward costs one more head forward per tile (about 2*h*V
-FLOPs per token, 2 % of an 8B model's step).
+Two ways, by whether the head's weight is the embedding's. Untied, DeepSpeed's `sequence_tiled_compute`: it
+runs a nested `torch.autograd.backward` per tile, accumulating the head's weight gradient in place, and masks
+ZeRO's gradient hook on all but the last tile (`ds_grad_is_ready`). Tied, that last tile's hook hands the
+weight to ZeRO before the embedding's share arrives later in the same backward: ZeRO-2 asserted
+"model.embed_tokens.weight has already been reduced" (a tied Llama-3.2-1B on a GPU, 16 tiles) and ZeRO-3 kept
+the embedding's gradient without the head's (docs/dev/deepspeed-bugs.md). So a tied head's tiles are torch
+non-reentrant checkpoints in the one autograd graph, whose weight gradients add up with the embedding's before
+the hook fires once. That costs a transient second copy of the head's weight gradient (autograd's sum beside
+the next tile's), which the untied way avoids: 0.85 GiB more in the traced estimate of an 8B Llama's recipes.
+Nor DeepSpeed's `TiledFusedLogitsLoss`: it runs the backward inside the forward with an incoming gradient of
+1, so the head's weight gradient misses every later scale, DeepSpeed's 1/gradient_accumulation_steps included
+(measured: with 2 accumulation steps the head's gradient came out doubled). Recomputing in backward costs one
+more head forward per tile (about 2*h*V FLOPs per token, 2 % of an 8B model's step).
 
 The model's `forward` is replaced on the instance (nothing else changes): called with `labels` or
 `shift_labels`, it runs the decoder, then this loss, and returns no logits. Without them (eval,
@@ -73,6 +74,7 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool, balance: moe.
 
     decoder = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
     own_forward = model.forward
 
     def forward(input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, eval_targets=None, **kwargs):
@@ -89,7 +91,7 @@ def install(model, tokens_per_tile: int, tiled: bool, zero3: bool, balance: moe.
         out = decoder(input_ids=input_ids, **kwargs, **routed)
         hidden = out.last_hidden_state
         tiles = agreed_tiles(shift_labels.numel(), tokens_per_tile, zero3, hidden.device) if tiled else 1
-        loss = summed_loss(head, hidden, shift_labels, tiles)
+        loss = summed_loss(head, hidden, shift_labels, tiles, tied)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum()
         if balance is None:
             return CausalLMOutputWithPast(loss=loss / count)
@@ -138,17 +140,12 @@ def row_stats(head, hidden, targets, tokens_per_tile: int, zero3: bool):
     return out
 
 
-def summed_loss(head, hidden, targets, tiles: int):
-    """Sum of the cross-entropy over the tokens whose target is not -100, in `tiles` tiles. The logits are
-    upcast to fp32 before the softmax, as transformers' ForCausalLMLoss does.
-
-    Each tile is a non-reentrant checkpoint in the caller's autograd graph, not a nested backward: every
-    parameter's gradient (the head's, and with a tied head the embedding's too) is summed by autograd and
-    accumulated once per backward, as ZeRO-1/2 require (their hook asserts on a second reduction). Exactly
-    `tiles` head calls each way, empty trailing tiles included: under ZeRO-3 each call gathers (agreed_tiles)."""
-    import torch
+def summed_loss(head, hidden, targets, tiles: int, tied: bool = False):
+    """Sum of the cross-entropy over the tokens whose target is not -100, in `tiles` tiles (the module's
+    docstring: DeepSpeed's tiles for an untied head, checkpointed tiles for a tied one). The logits are upcast
+    to fp32 before the softmax, as transformers' ForCausalLMLoss does. Exactly `tiles` head calls each way,
+    empty trailing tiles included: under ZeRO-3 each call gathers (agreed_tiles)."""
     import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
 
     def tile_loss(x, y):
         logits = head(x).float()
@@ -156,6 +153,32 @@ def summed_loss(head, hidden, targets, tiles: int):
 
     if tiles <= 1:
         return tile_loss(hidden, targets)
+    if tied:
+        return _checkpointed_tiles(tile_loss, hidden, targets, tiles)
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
+
+    x = hidden.reshape(1, -1, hidden.shape[-1])  # batch and sequence as one axis: tiles cut across rows
+    y = targets.reshape(1, -1)
+    return sequence_tiled_compute(
+        tile_loss,
+        x.shape[1],
+        tiles,
+        kwargs_to_shard={"x": x, "y": y},
+        kwargs_to_pass={},
+        grad_requiring_tensor_key="x",
+        compute_params=[head.weight],
+        output_unshard_dimension=0,
+        output_reduction="sum",
+    )
+
+
+def _checkpointed_tiles(tile_loss, hidden, targets, tiles: int):
+    """The tiles as non-reentrant checkpoints in the caller's autograd graph: every parameter's gradient (the
+    head's, and the tied embedding's) is summed by autograd and accumulated once per backward, as ZeRO-1/2's
+    hook requires."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
     x = hidden.reshape(-1, hidden.shape[-1])  # batch and sequence as one axis: tiles cut across rows
     y = targets.reshape(-1)
     step = -(-x.shape[0] // tiles)

@@ -62,7 +62,7 @@ def test_untiled_sum_is_transformers_loss():
 def test_deepspeed_tiled_fused_logits_loss_misses_the_upstream_scale_on_the_head():
     """Why lm_loss recomputes its tiles in backward: TiledFusedLogitsLoss backpropagates inside its forward
     with a gradient of 1, so DeepSpeed's 1/gradient_accumulation_steps never reaches the head's weight. If
-    this starts failing, DeepSpeed fixed it (its backward per tile would still need a once-only gradient)."""
+    this starts failing, DeepSpeed fixed it (a tied head would still need a once-only gradient)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     head, hidden, targets = head_and_inputs()
@@ -119,19 +119,24 @@ def test_installed_forward_matches_the_models_own_loss_and_gradients(tie):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_each_parameter_gets_its_gradient_once_per_backward(tie):
-    """ZeRO-1/2 take a parameter's gradient from its post-accumulate-grad hook and assert it comes once a
-    backward (stage_1_and_2.py `params_already_reduced`). DeepSpeed's sequence_tiled_compute, which the loss
-    used, ran a backward per tile: the head's hook fired 5 times here, a tied head's 6 (5 tiles, then the
-    embedding), which ZeRO-2 refused on a GPU at a 128k vocabulary. The checkpointed tiles add up in autograd."""
+def test_each_parameter_is_handed_to_zero_once_per_backward(tie):
+    """ZeRO-1/2 take a parameter's gradient from its post-accumulate-grad hook, skip it while DeepSpeed marks it
+    not ready (`ds_grad_is_ready`), and assert it comes once a backward (stage_1_and_2.py
+    `params_already_reduced`). Untied, DeepSpeed's sequence_tiled_compute fires the head's hook once per tile
+    and marks all but the last not ready; tied, that last one came before the embedding's share (5 tiles, then
+    the embedding: ZeRO-2 refused it on a GPU at a 128k vocabulary). The checkpointed tiles add up in autograd."""
     model = tiny_llama(tie)
-    fired = {}
+    ready = {}
+
+    def hook(p, name):
+        ready[name] = ready.get(name, 0) + int(getattr(p, "ds_grad_is_ready", True))
+
     for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.update({name: fired.get(name, 0) + 1}))
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
     lm_loss.install(model, tokens_per_tile=20, tiled=True, zero3=False)
     ids = torch.randint(0, V, (2, 48))  # 96 tokens: 5 tiles
     model(input_ids=ids, labels=ids).loss.backward()
-    assert fired == {name: 1 for name, _ in model.named_parameters()}
+    assert ready == {name: 1 for name, _ in model.named_parameters()}
 
 
 def test_shift_labels_give_the_same_loss_as_labels():
