@@ -1,5 +1,5 @@
 """Faults through the real launcher: preemption signals save and exit cleanly; a dead rank ends the job
-quickly; the next launch resumes from the last complete checkpoint."""
+quickly; the next launch resumes from the last complete checkpoint, the steps after it logged once."""
 
 import os
 import signal
@@ -90,13 +90,18 @@ def test_preemption_saves_at_the_step_boundary_and_exits_cleanly(how, tmp_path):
         assert not any("zero_recipes" in x or "train.py" in x for x in frames), frames
         return
     assert proc.returncode == 0, log[-4000:]
+    if "SIGTERM" in how:  # the same stop path saved the same checkpoint: resuming from it is SIGUSR1's row
+        return
     # launching the same command again continues from that checkpoint and finishes
     again = launch(ARGS, out).check()
     assert f"resume: loaded {out / 'checkpoints' / f'step-{step}'} at step {step}" in again.log
     assert [r["step"] for r in again.records if "loss" in r][-1] == STEPS
 
 
-def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
+def test_a_dead_rank_ends_the_job_quickly(tmp_path):
+    """The deepspeed launcher ends the job when a rank dies. That the next launch resumes, each step logged once,
+    is test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest's check (its relaunch replaces steps
+    6-10 the killed launch logged after step-5), and bit for bit after a SIGKILL the contract's resume column."""
     out = tmp_path / "run"
     proc = start(out)
     wait_for_steps(out, proc, 12)
@@ -108,12 +113,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_the_next_launch_resumes(tmp_path):
     assert proc.returncode != 0, log[-3000:]
     assert exit_seconds < 60, f"job took {exit_seconds:.1f}s to exit after a rank died:\n{log[-3000:]}"
     print(f"dead rank: job exited {exit_seconds:.1f}s after SIGKILL of rank 1 (code {proc.returncode})")
-    done = int(latest(out).split("-")[1])
-    assert done >= 10
-    again = launch(ARGS + ["--resume_from_checkpoint", "auto"], out).check()
-    assert f"at step {done}" in again.log
-    # each step once in metrics.jsonl: the steps the dead launch logged after its checkpoint are replaced
-    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, STEPS + 1))
+    assert int(latest(out).split("-")[1]) >= 10
 
 
 def test_a_kill_during_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
