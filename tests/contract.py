@@ -97,7 +97,8 @@ QLORA = (*LORA, "--load_in_4bit")
 BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trained` fixture's fp32 run
     "zero0": ((*CONFIGS["zero0"],), "zero0-fp32"),
     "moe-zero0": ((*CONFIGS["zero0"], *MOE), "moe-zero0"),
-    "lora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", LORA_BASE, *LORA), "lora-zero0"),
+    # its export is checked too (adapters/test_lora.py): LoRA on ZeRO-0 is a mode users run
+    "lora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", LORA_BASE, *LORA, "--verify_export"), "lora-zero0"),
     "qlora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", QLORA_BASE, *QLORA), "qlora-zero0"),
 }
 

@@ -56,6 +56,14 @@ def export_diff(run) -> float:
     return diff[0]
 
 
+def test_lora_on_zero0_the_rows_baseline_exports_its_adapter(baseline_run):
+    """The LoRA rows' baseline is LoRA on ZeRO-0, whose own export the contract's export column does not read."""
+    run = baseline_run(BY_NAME["lora-zero1"]).check()
+    assert "lora: r 8, alpha 16 on all-linear; trains" in run.log and "the base frozen" in run.log
+    assert (run.output_dir / "adapter_config.json").is_file() and not (run.output_dir / "model.safetensors").exists()
+    assert export_diff(run) <= EXPORT_TOL["fp32"]
+
+
 def test_bf16_lora_matches_fp32_and_keeps_no_fp32_copy_of_the_base(bf16_lora, baseline_run):
     import torch
 

@@ -36,7 +36,10 @@ def test_export_tool_writes_the_trained_model_or_refuses_in_one_line(mode, mode_
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = torch.randint(0, 1000, (2, 32))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    exported, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    exported.eval()
+    # every weight whole and found (a shard would mismatch, a missing one be drawn at random)
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
     trained = AutoModelForCausalLM.from_pretrained(run.output_dir).eval()
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, trained(ids).logits)
