@@ -57,10 +57,9 @@ class Mode:
     name: str
     args: tuple[str, ...]  # after helpers.FAST: fragments, batch, model
     nproc: int = 2
-    baseline: str = "zero0"  # a key of BASELINES
+    baseline: str = "zero0"  # "zero0" (conftest's `trained`) or a key of BASELINES
     says: tuple[str, ...] = ()  # lines in the run's log that make it this mode
     parity: float = PARITY
-    norms: bool = True  # gradient norms compared with the baseline's too
     resume: str = "step4"  # "kill" | "step4" | "" (see skips)
     export_tol: float = PARITY
     export_tool: str = ""  # "equal" | "refused: <words of its one line>" | "" (see skips)
@@ -94,8 +93,7 @@ MOE = ("--model_config", json.dumps(MOE_MODEL), "--router_aux_loss_coef", str(MO
 LORA = ("--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2")
 QLORA = (*LORA, "--load_in_4bit")
 
-BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trained` fixture's fp32 run
-    "zero0": ((*CONFIGS["zero0"],), "zero0-fp32"),
+BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trained` fixture's fp32 run itself
     "moe-zero0": ((*CONFIGS["zero0"], *MOE), "moe-zero0"),
     # its export is checked too (adapters/test_lora.py): LoRA on ZeRO-0 is a mode users run
     "lora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", LORA_BASE, *LORA, "--verify_export"), "lora-zero0"),
