@@ -100,6 +100,7 @@ def main(argv: list[str], instrument=None) -> int:
 
     # ---- fit -----------------------------------------------------------------------------------------
     run = assemble_loop(plan, engine, run_data, inputs, stop, rank, log, resumed_at=step if resume else None)
+    # (a preference run's reference log-probs are read, or computed once by this engine, as its runner is made)
     outcome = loop.fit(instrument(run) if instrument else run, step)
     if not outcome.finished:
         run.log_file.close()
@@ -149,7 +150,8 @@ def load_data(plan: RunPlan, rank: int, log) -> RunData:
     if cfg.streaming:
         prepared = in_cache(cfg, lambda: data.prepare_stream(cfg, tokenizer, dp_rank, dp, log))()
         return RunData(tokenizer, prepared, order=prepared.train)
-    prepared = process_group.rank0_first(rank, in_cache(cfg, lambda: data.prepare(cfg, tokenizer, log)))
+    prepare = plan.objective.prepare_data  # language modelling's rows, or preference pairs
+    prepared = process_group.rank0_first(rank, in_cache(cfg, lambda: prepare(cfg, tokenizer, log)))
     order = data.BatchOrder(prepared.train, cfg.per_device_train_batch_size, dp_rank, dp, cfg.seed, prepared.pad_id)
     return RunData(tokenizer, prepared, order)
 
@@ -238,7 +240,7 @@ def assemble_loop(
         plan.adapter.files_writer(engine, run_data.tokenizer),
         plan.mesh.layout(),
     )
-    runner = plan.parallelism.runner(engine, plan, rank, run_data.prepared.sft)
+    runner = plan.objective.runner(engine, plan, rank, run_data.prepared, resumed_at is not None, log)
     live_eval = (
         in_training.LiveEval(plan, inputs.live_tasks, run_data.tokenizer, run_data.prepared, rank, log)
         if inputs.live_tasks or plan.cfg.eval_samples
@@ -305,6 +307,8 @@ def dry_run(plan: RunPlan, log) -> int:
     for problem in ds_checks.machine_problems(ds, cfg.tf32):
         log(f"warning: this machine cannot train it: {problem}")
     for line in inputs.sampled:
+        log(f"data: {line}")
+    for line in plan.objective.dry_run_lines(cfg, lambda: data.load_tokenizer(cfg)):
         log(f"data: {line}")
     log(f"output: {plan.output_dir}: {output_plan(plan.output_dir, cfg, inputs.resume_request)}")
     steps = (

@@ -15,6 +15,8 @@ from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.pipeline.axis import PipelineParallel
 from zero_recipes.parallel.sequence_parallel import SequenceParallel
 from zero_recipes.parallel.tensor_parallel import TensorParallel
+from zero_recipes.preference.objective import Preference
+from zero_recipes.training.objective import LanguageModeling
 
 AXES = {
     "tensor": TensorParallel,
@@ -26,6 +28,9 @@ AXES = {
 
 ADAPTERS = {"full": FullFineTuning, "lora": Lora, "qlora": QLora}
 """By lora_options.adapter_name."""
+
+OBJECTIVES = {"lm": LanguageModeling, "dpo": Preference}
+"""By TrainConfig.objective."""
 
 
 def adopt(ds: dict) -> tuple[str, ...]:
@@ -40,3 +45,7 @@ def parallelism_for(mesh: Mesh) -> Parallelism:
 
 def adapter_for(cfg):
     return ADAPTERS[lora_options.adapter_name(cfg)](cfg)
+
+
+def objective_for(cfg):
+    return OBJECTIVES[cfg.objective](cfg)

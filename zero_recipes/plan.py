@@ -71,7 +71,9 @@ class RunPlan:
         ds_config.with_steps(resolved.ds, cfg, max(cfg.max_steps, 1))  # an "auto" nobody can fill fails now
         mesh = Mesh.of(world, resolved.ds)
         adapter = lora_options.adapter_name(cfg)
-        combinations.refuse(combinations.modes(mesh.sizes, zero_stage(resolved.ds), adapter))
+        active = combinations.modes(mesh.sizes, zero_stage(resolved.ds), adapter, cfg.objective)
+        combinations.refuse(active)
+        modes.objective_for(cfg).check(cfg, active)
         notes += resolved.notes + modes.parallelism_for(mesh).check(model_config, resolved.ds, cfg)
         modeling.check_attention(model_config)  # after the axes' checks: they name the attention SP needs
         moe.check(model_config, zero_stage(resolved.ds), resolved.ds)
@@ -139,6 +141,11 @@ class RunPlan:
     def adapter(self):
         """How the model is adapted (modes.ADAPTERS: full fine-tuning, LoRA, QLoRA), picked from the config."""
         return modes.adapter_for(self.cfg)
+
+    @property
+    def objective(self):
+        """What the run optimises (modes.OBJECTIVES: language modelling, preference optimisation)."""
+        return modes.objective_for(self.cfg)
 
     @property
     def global_batch(self) -> int:

@@ -29,7 +29,8 @@ BUILTIN_INSTRUCTIONS = "builtin:tiny-instructions"
 """The embedded instruction set: generated chat examples with checkable answers (recipes/tiny-sft.yaml)."""
 
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "alpaca", "messages")
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # the HF Trainer's `optim` names for torch's AdamW
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+OBJECTIVES = ("lm", "dpo")  # modes.OBJECTIVES' names  # the HF Trainer's `optim` names for torch's AdamW
 
 
 @dataclass
@@ -67,6 +68,30 @@ class TrainConfig:
     torch_compile: bool = False
     """Compile the model with torch.compile through DeepSpeed's `engine.compile()` (inductor). The first step
     pays the compile (~30 s for the tiny model on 2 CPU cores, cached afterwards); losses match eager."""
+
+    # ---- objective (preference optimisation in TRL's DPOConfig names; docs/preference.md) ------------
+    objective: str = "lm"
+    """`lm`: the next-token loss (pretraining, or SFT on the answer tokens the data marks). `dpo`: preference
+    optimisation on prompt/chosen/rejected pairs; `per_device_train_batch_size` then counts pairs."""
+    beta: float = 0.1
+    """DPO's beta (the reference's pull); ORPO's lambda, as TRL's ORPOConfig names it."""
+    loss_type: list = field(default_factory=lambda: ["sigmoid"])
+    """TRL's loss types (sigmoid, ipo, hinge, robust, sft, ...; simpo and orpo need no reference); several are
+    summed, weighted by `loss_weights`."""
+    loss_weights: Optional[list] = None
+    """One weight per `loss_type`. Unset: 1 each."""
+    label_smoothing: float = 0.0
+    """The share of flipped labels assumed by `robust` (cDPO), in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (TRL's CPOConfig name)."""
+    cpo_alpha: float = 0.0
+    """With `simpo`: the weight of the chosen answers' NLL (TRL's CPOConfig; 0: SimPO as its paper, 1: CPO-SimPO)."""
+    max_length: Optional[int] = 1024
+    """Tokens of prompt + answer per side at most (TRL's `max_length`, `keep_start`): longer answers are cut."""
+    truncation_mode: str = "keep_start"
+    """TRL's: `keep_start` only (the prompt is shared by both answers, so it is never cut)."""
+    reference_cache: Optional[str] = None
+    """Where the reference log-probs are kept. Unset: with the prepared pairs in the data cache."""
 
     # ---- LoRA (peft's names; a recipe may group them in a `lora:` block: r, alpha, dropout, ...) ------
     lora_r: int = 0
@@ -275,6 +300,7 @@ RUN_CONTROL_FIELDS = {
     "report_to",
     "run_name",
     "merge_lora",
+    "reference_cache",  # where a reference is read from, not what it is (the file's own record says that)
 }
 
 
@@ -352,6 +378,12 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.resume_from_checkpoint is not None and not cfg.resume_from_checkpoint:
         raise ConfigError("--resume_from_checkpoint needs 'auto' or a path")
     lora_options.validate_options(cfg)
+    if cfg.objective not in OBJECTIVES:
+        raise unknown_choice_error("objective", cfg.objective, OBJECTIVES)
+    try:  # a list option arrives as strings from the command line
+        cfg.loss_weights = [float(w) for w in cfg.loss_weights] if cfg.loss_weights is not None else None
+    except ValueError:
+        raise ConfigError(f"--loss_weights expects numbers, one per --loss_type, got {cfg.loss_weights}") from None
     if not cfg.deepspeed and not cfg.dry_run:
         raise ConfigError("no DeepSpeed config given; add e.g. --deepspeed ds_configs/zero3.json")
 

@@ -80,7 +80,8 @@ class BatchOrder:
         return idx
 
     def next_batch(self) -> dict:
-        return collate([self.rows.row(int(i)) for i in self.next_indices()], self.pad_id)
+        collated = getattr(self.rows, "collate", collate)  # rows with their own layout (preference pairs) say so
+        return collated([self.rows.row(int(i)) for i in self.next_indices()], self.pad_id)
 
     @property
     def epoch_progress(self) -> float:

@@ -39,7 +39,7 @@ def load(args, deepspeed: list[str], world: int, micro: int | None = None, memo:
     mesh = Mesh.of(world, ds)  # checked by ds_config.resolve
     # what train.py refuses, refused the same way; but the estimate sizes QLoRA under ZeRO-3 as well, which
     # train.py refuses (as before: issue 30 changed no output of the estimator)
-    active = combinations.modes(mesh.sizes, zero_stage(ds), lora_options.adapter_name(cfg))
+    active = combinations.modes(mesh.sizes, zero_stage(ds), lora_options.adapter_name(cfg), cfg.objective)
     combinations.refuse({mode: n for mode, n in active.items() if mode != "qlora"})
     notes += modes.parallelism_for(mesh).check(config, ds, cfg)
     return cfg, config, ds, notes

@@ -32,6 +32,11 @@ import functools
 HOST_CUTS = "cu_seq_lens_host"
 """The cut points as a tuple of host ints: the sdpa split slices by them without reading a device tensor."""
 
+SHARED_PROMPT = "shared_prompt_pairs_host"
+"""A preference batch's layout (preference/pairs.py): per pair (start, prompt, chosen, rejected) lengths as host
+ints, in a row of one batch. The chosen tokens attend to the prompt and themselves, the rejected ones to the
+prompt and themselves."""
+
 
 def varlen_kwargs(cuts: list[int]) -> dict:
     """The attention kwargs of a batch from its cut points: offsets into the batch's flattened tokens (rows of
@@ -69,6 +74,8 @@ def per_example_sdpa(sdpa):
     import torch
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if kwargs.get(SHARED_PROMPT) and query.shape[2] == key.shape[2]:
+            return _shared_prompt(sdpa, module, query, key, value, args, kwargs)
         rows = _packed_rows(module, query, key, attention_mask, kwargs)
         if rows is None:
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
@@ -88,6 +95,26 @@ def per_example_sdpa(sdpa):
 
     attention.per_example = True
     return attention
+
+
+def _shared_prompt(sdpa, module, query, key, value, args, kwargs):
+    """Each pair's prompt+chosen as one causal call, then its prompt+rejected as another whose first P outputs
+    (the prompt's, already made) are dropped: two causal calls instead of a masked one, so sdpa's (and flash's)
+    causal fast path applies, at the cost of the prompt's attention computed twice (its layers' matmuls are not)."""
+    import torch
+
+    seq, out = query.shape[2], []
+    ends = 0
+    for a, p, c, r in kwargs[SHARED_PROMPT]:
+        if a > ends:  # nothing is laid there (collate leaves no gaps); kept exact anyway
+            out.append(sdpa(module, *(t[:, :, ends:a] for t in (query, key, value)), None, *args, **kwargs)[0])
+        out.append(sdpa(module, *(t[:, :, a : a + p + c] for t in (query, key, value)), None, *args, **kwargs)[0])
+        rejected = [torch.cat([t[:, :, a : a + p], t[:, :, a + p + c : a + p + c + r]], dim=2) for t in (query, key, value)]
+        out.append(sdpa(module, *rejected, None, *args, **kwargs)[0][:, p:])
+        ends = a + p + c + r
+    if ends < seq:
+        out.append(sdpa(module, *(t[:, :, ends:] for t in (query, key, value)), None, *args, **kwargs)[0])
+    return torch.cat(out, dim=1), None  # sdpa returns [batch, seq, heads, head_dim]
 
 
 def _packed_rows(module, query, key, attention_mask, kwargs) -> list[list[int]] | None:

@@ -1,7 +1,8 @@
 """Which modes combine: one table, with the refusal beside each forbidden pair. A leaf (pure data).
 
 A run's modes are its parallel axes of size > 1 (tensor, sequence, pipeline, expert), its ZeRO stage
-where a stage matters (zero0, zero2, zero3) and its adapter (lora; a QLoRA run is lora and qlora). train.py refuses a
+where a stage matters (zero0, zero2, zero3), its adapter (lora; a QLoRA run is lora and qlora) and its objective
+(dpo; the default language modelling is not a mode). train.py refuses a
 forbidden pair before any process group starts, and the memory estimate refuses it the same way. A pair absent
 from the table combines. Sizes in a refusal come from the run: {tp}, {sp}, {pp}, {ep}.
 """
@@ -76,6 +77,16 @@ FORBIDDEN: dict[tuple[str, str], str] = {
         "the adapter could not be saved under the model's names; train LoRA with ZeRO (ds_configs/zero3.json) "
         "and no ep fragment"
     ),
+    ("sequence", "dpo"): (
+        "sequence_parallel_size = {sp} with --objective dpo: a pair's prompt and both answers must sit on one rank "
+        "for the shared-prompt attention and the answers' log-probs; train DPO with ZeRO-3 (ds_configs/zero3.json) "
+        "and no sequence-parallel fragment, or shorter pairs (--max_length)"
+    ),
+    ("pipeline", "dpo"): (
+        "pipeline.stages = {pp} with --objective dpo: DeepSpeed's pipeline engine computes the loss from labels on "
+        "its last stage, which a pair's loss (both answers' log-probs and the reference's) does not fit; train DPO "
+        "with ZeRO-3 (ds_configs/zero3.json) and no pipeline fragment"
+    ),
     ("qlora", "zero3"): (
         "--load_in_4bit with ZeRO-3 is not supported here: ZeRO-3 would partition bitsandbytes' packed 4-bit "
         "weights and lose their quantisation state. Use ZeRO-2 (ds_configs/zero2.json): the 4-bit base is a "
@@ -84,10 +95,12 @@ FORBIDDEN: dict[tuple[str, str], str] = {
 }
 
 
-def modes(axes: dict[str, int], zero_stage: int, adapter: str) -> dict[str, int]:
+def modes(axes: dict[str, int], zero_stage: int, adapter: str, objective: str = "lm") -> dict[str, int]:
     """A run's modes by name, each with its size (1 for the ones without one). `axes`: Mesh.sizes;
-    `adapter`: lora_options.adapter_name ('full', 'lora' or 'qlora')."""
+    `adapter`: lora_options.adapter_name ('full', 'lora' or 'qlora'); `objective`: TrainConfig.objective."""
     out = {axis: n for axis, n in axes.items() if n > 1}
+    if objective != "lm":
+        out[objective] = 1
     if zero_stage in (0, 2, 3):
         out[f"zero{zero_stage}"] = 1
     if adapter != "full":

@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import psutil
@@ -99,6 +100,7 @@ def fit(loop: Loop, step: int) -> Outcome:
             guard.observe(loss, step + 1)
         for aux in loop.runner.step_aux:  # a mixture of experts' balancing loss, logged as aux_loss
             window.add_aux(aux)
+        window.add_means(getattr(loop.runner, "step_means", {}))  # an objective's own metrics (DPO's rewards)
         own_grad_norm = norm if norm is not None else own_grad_norm
         step += 1
         if step == start_step + 1:
@@ -225,7 +227,8 @@ def log_record(
 
 def run_eval(loop: Loop, step: int) -> None:
     shard, shards = loop.plan.mesh.eval_shard(loop.rank)
-    ev = evaluate(loop.runner, loop.prepared, loop.plan.cfg, shard, shards)
+    # an objective's own evaluation where its runner has one (DPO: reward accuracy and margins)
+    ev = getattr(loop.runner, "evaluate", partial(evaluate, loop.runner))(loop.prepared, loop.plan.cfg, shard, shards)
     if loop.live_eval is not None:
         ev.update(loop.live_eval.run(loop.engine, step))
     if ev:
@@ -267,7 +270,8 @@ def evaluate(runner, prepared, cfg, shard: int, shards: int) -> dict:
 
 
 def format_eval(ev: dict) -> str:
-    parts = [f"loss {ev['eval_loss']:.4f} perplexity {ev['eval_perplexity']:.2f}"] if "eval_loss" in ev else []
+    parts = [f"loss {ev['eval_loss']:.4f}"] if "eval_loss" in ev else []
+    parts += [f"perplexity {ev['eval_perplexity']:.2f}"] if "eval_perplexity" in ev else []
     parts += [f"exact match {ev['eval_exact_match']:.1%}"] if "eval_exact_match" in ev else []
     tasks = {k[5:]: v for k, v in ev.items() if k.startswith("eval_") and k not in KNOWN_EVAL and "seconds" not in k}
     parts += [f"{name} {v:.4f}" for name, v in tasks.items()]

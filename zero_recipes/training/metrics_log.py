@@ -66,6 +66,7 @@ class LogWindow:
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros(2, device=device)  # a mixture of experts' balancing losses, and their count
         self.has_aux = False
+        self.means: dict = {}  # an objective's metrics: name -> [sum, count] on the device
         self.tokens_per_step_rank, self.losses_per_step = tokens_per_step_rank, losses_per_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         # `tokens_per_step_rank` counts a data-parallel replica's rows; `group` ranks train them together (a TP
@@ -83,6 +84,15 @@ class LogWindow:
         self.aux_sum[0] += aux.float()
         self.aux_sum[1] += 1
         self.has_aux = True
+
+    def add_means(self, means: dict) -> None:
+        """name -> (sum, count) of a step, as device tensors; recorded as sum / count over the window and ranks."""
+        import torch
+
+        for name, (total, count) in means.items():
+            acc = self.means.setdefault(name, torch.zeros(2, dtype=torch.float64, device=total.device))
+            acc[0] += total
+            acc[1] += count
 
     def add_step(self, data_wait: float) -> None:
         self.steps += 1
@@ -107,6 +117,14 @@ class LogWindow:
             dist.all_reduce(self.aux_sum)
             aux = (self.aux_sum[0] / self.aux_sum[1]).item()
             self.aux_sum.zero_()
+        means = {}
+        if self.means:  # one all-reduce for all of them (every rank has the same names: the same objective)
+            import torch
+
+            stacked = torch.stack(list(self.means.values()))
+            dist.all_reduce(stacked)
+            means = {name: (s / c).item() for name, (s, c) in zip(self.means, stacked.tolist()) if c}
+            self.means = {}
         world = dist.get_world_size()
         loss = self.loss_sum.item() * self.loss_shares / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
@@ -120,6 +138,7 @@ class LogWindow:
         }
         if aux is not None:
             out["aux_loss"] = aux
+        out.update(means)
         self.loss_sum.zero_()
         self._restart()
         return out

@@ -1,0 +1,49 @@
+"""Preference optimisation (`--objective dpo`): DPO and its relatives (preference/losses.py) on prompt/chosen/
+rejected pairs (preference/data.py), each prompt computed once (pairs.py), against reference log-probs computed
+once by the run's own engine (reference.py). docs/preference.md.
+
+Its modules are imported when a preference run uses them, so that a language-modelling run never loads them.
+"""
+
+from __future__ import annotations
+
+from zero_recipes.errors import ConfigError
+
+
+class Preference:
+    name = "dpo"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def check(self, cfg, active_modes: dict) -> None:
+        """The options, the data's rules, and what the shared-prompt layout needs."""
+        from zero_recipes.preference import losses, prepare
+
+        losses.check_options(cfg.loss_type, cfg.loss_weights, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma,
+                             cfg.cpo_alpha)  # fmt: skip
+        prepare.check(cfg)
+        if cfg.attn_implementation != "sdpa":
+            raise ConfigError(
+                f"--objective dpo with --attn_implementation {cfg.attn_implementation}: the pairs' shared-prompt "
+                "attention runs through sdpa; use --attn_implementation sdpa"
+            )
+
+    def prepare_data(self, cfg, tok, log):
+        from zero_recipes.preference import prepare
+
+        return prepare.prepare(cfg, tok, log)
+
+    def runner(self, engine, plan, rank: int, prepared, resumed: bool, log):
+        from zero_recipes.preference import reference
+        from zero_recipes.preference.runner import PreferenceRunner
+
+        runner = PreferenceRunner(engine, plan, rank, prepared)
+        reference.prepare(runner, plan, rank, resumed, log)
+        return runner
+
+    def dry_run_lines(self, cfg, load_tokenizer) -> list[str]:
+        """One pair of the set, rendered with what is trained (--dry_run)."""
+        from zero_recipes.preference import prepare
+
+        return prepare.sample_lines(cfg, load_tokenizer())
