@@ -1,11 +1,12 @@
 """What exists offline on any machine: the embedded corpus (the Python standard library's docstrings), a
-byte-level BPE trained on it, and a generated instruction dataset with checkable answers."""
+byte-level BPE trained on it, and generated instruction and preference datasets with checkable answers."""
 
 from __future__ import annotations
 
 import ast
 import json
 import random
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -141,5 +142,51 @@ def builtin_instructions_file(cfg) -> Path:
     if not out.exists():
         with staged(out) as tmp, tmp.open("w") as f:
             for ex in instruction_examples(20000, seed=0):
+                f.write(json.dumps(ex) + "\n")
+    return out
+
+
+# ---- the same tasks as preference pairs: the right answer chosen, a plausible wrong one rejected ----------------
+
+BUILTIN_PREFERENCES = "builtin:tiny-preferences"
+
+
+def preference_examples(n: int, seed: int = 1) -> list[dict]:
+    """`instruction_examples(n, seed)` as TRL conversational pairs: the checkable answer chosen, a near miss
+    rejected (the smaller number, a sum off by one or two, the words in their original order or partly reversed,
+    the digits unsorted or with one pair swapped), so a preference is learnable from the pairs alone."""
+    rng = random.Random(f"tiny-preferences-{seed}")  # a string seed: the same wrong answers on every machine
+    out = []
+    for ex in instruction_examples(n, seed):
+        user, answer = ex["messages"]
+        wrong = near_miss(user["content"], answer["content"], rng)
+        out.append({"prompt": [user], "chosen": [answer], "rejected": [{"role": "assistant", "content": wrong}]})
+    return out
+
+
+def near_miss(question: str, right: str, rng: random.Random) -> str:
+    """A wrong answer to one of instruction_examples' questions that looks like a right one."""
+    if m := re.fullmatch(r"Which is larger, (\d+) or (\d+)\?", question):
+        return str(min(int(m[1]), int(m[2])))
+    if question.startswith("What is "):
+        return str(rng.choice([int(right) + d for d in (-2, -1, 1, 2) if int(right) + d >= 0]))
+    items = question.split(": ", 1)[1].split()
+    if question.startswith("Reverse"):
+        wrong = [items, items[-2::-1] + items[-1:], items[:1] + items[:0:-1]]
+    else:  # sort the digits: as given, or sorted with one neighbouring pair swapped (one digit off if all are equal)
+        s = sorted(items)
+        wrong = [items] + [s[:i] + [s[i + 1], s[i]] + s[i + 2 :] for i in range(len(s) - 1) if s[i] != s[i + 1]]
+        if s[0] == s[-1]:
+            wrong.append(s[:-1] + [str((int(s[-1]) + 1) % 10)])
+    return rng.choice(sorted({" ".join(w) for w in wrong} - {right}))
+
+
+def builtin_preferences_file(cfg) -> Path:
+    """4,000 pairs from another seed than tiny-instructions' 20,000 SFT examples (seed 0), so a DPO run after
+    the tiny SFT is not shown its training set (the task space is small: about half the questions recur)."""
+    out = cache_root(cfg) / "tiny-preferences-v1.jsonl"
+    if not out.exists():
+        with staged(out) as tmp, tmp.open("w") as f:
+            for ex in preference_examples(4000, seed=1):
                 f.write(json.dumps(ex) + "\n")
     return out

@@ -30,7 +30,11 @@ LOCAL_BUILDERS = {
     ".txt": "text",
     ".text": "text",
 }
-BUILTINS = {BUILTIN_DATASET: builtin.builtin_corpus_file, BUILTIN_INSTRUCTIONS: builtin.builtin_instructions_file}
+BUILTINS = {
+    BUILTIN_DATASET: builtin.builtin_corpus_file,
+    BUILTIN_INSTRUCTIONS: builtin.builtin_instructions_file,
+    builtin.BUILTIN_PREFERENCES: builtin.builtin_preferences_file,
+}
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Preference optimisation (DPO and relatives): data, losses, the reference, the runner."""
