@@ -18,11 +18,12 @@ class Preference:
 
     def check(self, cfg, active_modes: dict) -> None:
         """The options, the data's rules, and what the shared-prompt layout needs."""
-        from zero_recipes.preference import losses, prepare
+        from zero_recipes.preference import data, losses, prepare
 
         losses.check_options(cfg.loss_type, cfg.loss_weights, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma,
                              cfg.cpo_alpha)  # fmt: skip
         prepare.check(cfg)
+        data.check_truncation(cfg.max_length, cfg.truncation_mode)
         if cfg.attn_implementation != "sdpa":
             raise ConfigError(
                 f"--objective dpo with --attn_implementation {cfg.attn_implementation}: the pairs' shared-prompt "
@@ -44,6 +45,6 @@ class Preference:
 
     def dry_run_lines(self, cfg, load_tokenizer) -> list[str]:
         """One pair of the set, rendered with what is trained (--dry_run)."""
-        from zero_recipes.preference import prepare
+        from zero_recipes.preference import data
 
-        return prepare.sample_lines(cfg, load_tokenizer())
+        return data.sample_lines(cfg, load_tokenizer())

@@ -175,15 +175,3 @@ def write_pairs(tmp: Path, name: str, cols: Optional[dict], kept: np.ndarray) ->
 def summary(n: int, report: dict) -> str:
     return ", ".join([f"{n} pairs"] + [f"{why}: -{k}" for why, k in report.items()])
 
-
-def sample_lines(cfg, tok) -> list[str]:
-    """--dry_run: the first pair of the set tokenised as training will, with what is trained marked."""
-    (spec,) = sources.dataset_specs(cfg)
-    source = sources.describe(spec, cfg)
-    ds = sources.load(spec, source, spec.split, trust_remote_code=cfg.trust_remote_code)
-    fmt, how = pref_data.detect(ds.column_names, spec.name)
-    first = ds.select(range(min(len(ds), 16)))
-    cols = pref_data.TokenizePairs(tok, fmt, cfg.max_length, cfg.truncation_mode, spec.name)(first[:], list(range(len(first))))
-    i = next((k for k, why in enumerate(cols["drop"]) if why == ""), 0)
-    pair = [cols[k][i] for k in ("prompt_ids", "chosen_ids", "rejected_ids")]
-    return [f"{spec.name}: {how}; pair {i}, as trained:", *pref_data.describe_pair(tok, *pair)]
