@@ -121,9 +121,25 @@ def bases(trained, shared_runs):
             named[contract.LORA_BASE] = str(trained("zero3", "fp32").check().output_dir)
         if contract.QLORA_BASE in args:
             named[contract.QLORA_BASE] = str(shared_runs.made("qlora-base", make_qlora_base))
+        if contract.DPO_PAIRS in args:
+            named[contract.DPO_PAIRS] = str(shared_runs.made("dpo-pairs", make_dpo_pairs) / "pairs.jsonl")
+        for a in args:
+            if a.startswith(contract.dpo_reference("")[:-1]):  # a row's own reference file (contract.dpo)
+                named[a] = str(shared_runs.root / "dpo-references" / f"{a[len(contract.dpo_reference('')) - 1 : -1]}.npz")
         return named
 
     return get
+
+
+def make_dpo_pairs(out) -> None:
+    """80 preference pairs of the embedded set (TRL's conversational format): a step of 8 pairs, each epoch 9 of
+    them held out; the reference pass over all of them is a second per row."""
+    import json
+
+    from zero_recipes.data.builtin import preference_examples
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pairs.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in preference_examples(80)))
 
 
 def make_qlora_base(out) -> None:

@@ -37,6 +37,7 @@ NORM_PARITY = 1e-4  # relative; measured 5e-5 (PP against the ZeRO-0 baseline's 
 # What the argument lists name, filled in by conftest.mode_run: a pretrained base to adapt (LoRA: the session's
 # ZeRO-3 fp32 run; QLoRA: one whose layers are 64-wide, as bitsandbytes' CPU 4-bit kernel needs).
 LORA_BASE, QLORA_BASE = "{lora_base}", "{qlora_base}"
+DPO_PAIRS = "{dpo_pairs}"  # a small preference file (conftest.make_dpo_pairs)
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,28 @@ MOE = ("--model_config", json.dumps(MOE_MODEL), "--router_aux_loss_coef", str(MO
 LORA = ("--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2")
 QLORA = (*LORA, "--load_in_4bit")
 
+
+def dpo_reference(name: str) -> str:
+    """A placeholder for the file of a row's reference log-probs (conftest.bases: under the invocation's runs)."""
+    return f"{{dpo_reference:{name}}}"
+
+
+def dpo(name: str) -> tuple[str, ...]:
+    """DPO on the preference file from the initial model. Each run keeps its reference log-probs in a file of its
+    own, so each row computes them with its own engine (ZeRO-3's gathers, TP) instead of reading a sibling's."""
+    ref = dpo_reference(name)
+    return ("--objective", "dpo", "--dataset_name", DPO_PAIRS, "--block_size", "128", "--learning_rate", "1e-3",
+            "--validation_split_percentage", "10", "--eval_steps", "8", "--reference_cache", str(ref))  # fmt: skip
+
+
 BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trained` fixture's fp32 run itself
     "moe-zero0": ((*CONFIGS["zero0"], *MOE), "moe-zero0"),
     # its export is checked too (adapters/test_lora.py): LoRA on ZeRO-0 is a mode users run
     "lora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", LORA_BASE, *LORA, "--verify_export"), "lora-zero0"),
     "qlora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", QLORA_BASE, *QLORA), "qlora-zero0"),
+    "dpo-zero0": ((*CONFIGS["zero0"], *dpo("dpo-zero0")), "dpo-zero0"),
+    "dpo-lora-zero0": ((*CONFIGS["zero0"], *dpo("dpo-lora-zero0"), "--model_name_or_path", LORA_BASE, *LORA),
+                       "dpo-lora-zero0"),
 }
 
 
@@ -307,6 +325,32 @@ def adapter_rows() -> list[Mode]:
     ]  # fmt: skip
 
 
+def preference_rows() -> list[Mode]:
+    """DPO (--objective dpo) against DPO on ZeRO-0: the pairs' shared-prompt rows, the reference computed by each
+    row's own engine, the loss averaged over the global batch's pairs."""
+    says = ("reference: log-probs of", "by this run's engine, once")
+    skips = {
+        "resume": "dpo-zero2 (killed) and dpo-zero3 resume a DPO run: the reference file read back, the order kept",
+        "export_tool": "tools/export_hf.py converts the ZeRO checkpoint, which the objective does not change",
+        "layout": "a DPO checkpoint is a ZeRO checkpoint, converted as the zero rows' are; the reference is a file",
+    }
+
+    def row(name, combo, *extra, nproc=2, baseline="dpo-zero0", **kw) -> Mode:
+        kw.setdefault("resume", "")
+        kw["skips"] = {c: why for c, why in skips.items() if not (c == "resume" and kw["resume"])}
+        args = (*CONFIGS[combo], *dpo(name), *extra)
+        return Mode(name, args, nproc, baseline=baseline, says=says + kw.pop("says", ()), family="dpo", **kw)
+
+    tp = (TENSOR_PARALLEL[2], *micro(2))
+    return [
+        row("dpo-zero1", "zero1"),
+        row("dpo-zero2", "zero2", resume="kill"),
+        row("dpo-zero3", "zero3", resume="step4", says=("model: built under zero.Init",)),
+        row("dpo-tp2-zero1", "zero1", *tp, says=("2 ranks = 1 data-parallel x 2 tensor-parallel",)),
+        row("dpo-lora-zero2", "zero2", "--model_name_or_path", LORA_BASE, *LORA, baseline="dpo-lora-zero0"),
+    ]
+
+
 MODES: list[Mode] = [
     *zero_rows(),
     *tensor_parallel_rows(),
@@ -314,6 +358,7 @@ MODES: list[Mode] = [
     *pipeline_rows(),
     *expert_rows(),
     *adapter_rows(),
+    *preference_rows(),
 ]
 BY_NAME = {m.name: m for m in MODES}
 

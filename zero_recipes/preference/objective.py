@@ -12,6 +12,7 @@ from zero_recipes.errors import ConfigError
 
 class Preference:
     name = "dpo"
+    rows = "pairs"  # what a batch counts (per_device_train_batch_size); a pair's prompt + answers <= block_size
 
     def __init__(self, cfg):
         self.cfg = cfg

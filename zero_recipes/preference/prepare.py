@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from zero_recipes.checkpointing.atomic import staged
-from zero_recipes.data import sources
+from zero_recipes.data import formats, sources
 from zero_recipes.data.cache import cache_root, digest, tokenizer_fingerprint
 from zero_recipes.data.preparation import column, map_processes
 from zero_recipes.errors import ConfigError
@@ -85,6 +85,8 @@ def prepare(cfg, tok, log) -> PreparedPairs:
         build(cfg, spec, source, tok, out, log)
     else:
         log(f"data: {spec.name}: cached pairs found at {out}; tokenisation skipped")
+    if json.loads((out / "meta.json").read_text())["chat"]:  # the template the pairs were rendered with, exported
+        formats.ensure_chat_template(tok, log)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     evald = load_pairs(out, "eval")
     return PreparedPairs(load_pairs(out, "train"), evald if len(evald) else None, pad_id, out, key)
@@ -103,6 +105,9 @@ def tokenized(cfg, spec, source, split: str, tok, log):
         raise ConfigError(f"dataset '{name}' (split {split}) is empty")
     fmt, how = pref_data.detect(ds.column_names, name)
     log(f"data: {name}: {how}")
+    chat = pref_data.is_chat(pref_data.as_trl(fmt, ds[0], 1)["chosen"])
+    if chat:  # conversations: the model's template, or the embedded one (as SFT's messages)
+        formats.ensure_chat_template(tok, log)
     out = ds.map(
         pref_data.TokenizePairs(tok, fmt, cfg.max_length, cfg.truncation_mode, name),
         batched=True,
@@ -113,6 +118,7 @@ def tokenized(cfg, spec, source, split: str, tok, log):
         desc="tokenising pairs",
     )
     cols = {k: column(out, k).to_pylist() for k in ("prompt_ids", "chosen_ids", "rejected_ids", "drop")}
+    cols["chat"] = chat
     return cols
 
 
@@ -149,7 +155,8 @@ def build(cfg, spec, source, tok, out: Path, log) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         write_pairs(tmp, "train", cols, kept)
         write_pairs(tmp, "eval", eval_cols, eval_kept)
-        meta = {"train_pairs": len(kept), "eval_pairs": len(eval_kept), "report": report, "source": source}
+        meta = {"train_pairs": len(kept), "eval_pairs": len(eval_kept), "report": report, "source": source,
+                "chat": cols["chat"]}  # fmt: skip
         (tmp / "meta.json").write_text(json.dumps(meta, default=str))
     tokens = load_pairs(out, "train").num_tokens
     log(

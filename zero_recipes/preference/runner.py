@@ -30,6 +30,8 @@ class PreferenceRunner(EagerRunner):
         """'train' and 'eval': the reference's summed log-probs per pair, [n, 2] float64 on the host (reference.py)."""
         self.step_means: dict = {}
         """The last step's TRL metrics: name -> (sum over its pairs, pairs), on the device."""
+        self.step_tokens = 0
+        """The tokens the last step computed on this rank (pairs vary; the log's tokens/s and MFU count these)."""
 
     def answer_logps(self, batch: dict):
         """[pairs, 2] summed log-probs of the batch's answers under the engine, and its output (pairs.answer_logps)."""
@@ -75,6 +77,7 @@ class PreferenceRunner(EagerRunner):
             step_losses.append(loss.detach().float())
             sums += metric_sums(t, logps.detach())
         self.step_means = {name: (sums[i], sums[-1]) for i, name in enumerate(METRICS)}
+        self.step_tokens = sum(b["input_ids"].numel() for b in micro_batches)  # computed, each prompt once
         return step_losses, grad_norm
 
     def evaluate(self, prepared, cfg, shard: int, shards: int) -> dict:

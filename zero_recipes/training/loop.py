@@ -105,7 +105,7 @@ def fit(loop: Loop, step: int) -> Outcome:
         step += 1
         if step == start_step + 1:
             time_to_first_step = time.time() - psutil.Process().create_time()
-        window.add_step(data_wait)
+        window.add_step(data_wait, getattr(loop.runner, "step_tokens", None))  # pairs: the tokens they hold
         bar.update(1)
         saving = (cfg.save_steps and step % cfg.save_steps == 0) or step == total
         if saving or step % cfg.logging_steps == 0:
@@ -187,7 +187,7 @@ def open_window(loop: Loop) -> metrics_log.LogWindow:
     trainable = flops.trainable_matmul_params(loop.engine.module)  # LoRA: frozen weights get no weight grads
     flops_per_token = flops.model_flops_per_token(plan.model_config, cfg.block_size, trainable)
     loop.log(
-        f"plan: {plan.total_steps} steps x {plan.global_batch} sequences x {cfg.block_size} tokens; "
+        f"plan: {plan.total_steps} steps x {plan.global_batch} {plan.objective.rows} x {cfg.block_size} tokens; "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_source})"
     )
     tokens_per_step_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.block_size

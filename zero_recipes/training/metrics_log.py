@@ -75,7 +75,7 @@ class LogWindow:
         self._restart()
 
     def _restart(self) -> None:
-        self.steps, self.data_wait, self.start = 0, 0.0, time.perf_counter()
+        self.steps, self.data_wait, self.tokens, self.start = 0, 0.0, 0, time.perf_counter()
 
     def add_loss(self, loss) -> None:
         self.loss_sum += loss.detach()
@@ -94,9 +94,11 @@ class LogWindow:
             acc[0] += total
             acc[1] += count
 
-    def add_step(self, data_wait: float) -> None:
+    def add_step(self, data_wait: float, tokens: int | None = None) -> None:
+        """One step done; `tokens`: what it computed on this rank when rows vary (pairs), else the fixed count."""
         self.steps += 1
         self.data_wait += data_wait
+        self.tokens += self.tokens_per_step_rank if tokens is None else tokens
 
     @contextmanager
     def paused(self):
@@ -123,12 +125,12 @@ class LogWindow:
 
             stacked = torch.stack(list(self.means.values()))
             dist.all_reduce(stacked)
-            means = {name: (s / c).item() for name, (s, c) in zip(self.means, stacked.tolist()) if c}
+            means = {name: s / c for name, (s, c) in zip(self.means, stacked.tolist()) if c}
             self.means = {}
         world = dist.get_world_size()
         loss = self.loss_sum.item() * self.loss_shares / (self.steps * self.losses_per_step * world)
         elapsed = time.perf_counter() - self.start
-        tps = self.tokens_per_step_rank * self.steps / elapsed / self.group  # each device's share of its group's
+        tps = self.tokens / elapsed / self.group  # each device's share of its group's
         out = {
             "loss": loss,
             "tokens_per_sec": tps * world,

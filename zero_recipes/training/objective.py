@@ -9,6 +9,7 @@ from zero_recipes import data
 
 class LanguageModeling:
     name = "lm"
+    rows = "sequences"  # what a batch counts
 
     def __init__(self, cfg):
         self.cfg = cfg

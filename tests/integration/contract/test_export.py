@@ -15,7 +15,7 @@ from helpers import REPO, export_diff, one_error_line
 @pytest.mark.parametrize("mode", rows("export"), ids=lambda m: m.name)
 def test_the_export_reloads_with_the_engines_logits(mode, mode_run):
     run = mode_run(mode).check()
-    adapter = mode.family in ("lora", "qlora")
+    adapter = "--lora_r" in mode.args
     assert (run.output_dir / ("adapter_config.json" if adapter else "config.json")).is_file()
     assert (run.output_dir / "model.safetensors").exists() != adapter  # an adapter, never the frozen base
     assert export_diff(run) <= mode.export_tol
