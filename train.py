@@ -179,6 +179,7 @@ def check_inputs(plan: RunPlan) -> CheckedInputs:
     )
     resuming.check_resume_layout(resume_request, plan)
     live_tasks = in_training.check(plan)  # --eval_tasks / --eval_samples: refused here, names checked here
+    plan.objective.check_inputs(plan)  # a preference run's given reference file
     return CheckedInputs(report_to, resume_request, live_tasks, sampled)
 
 

@@ -328,25 +328,26 @@ def adapter_rows() -> list[Mode]:
 def preference_rows() -> list[Mode]:
     """DPO (--objective dpo) against DPO on ZeRO-0: the pairs' shared-prompt rows, the reference computed by each
     row's own engine, the loss averaged over the global batch's pairs."""
-    says = ("reference: log-probs of", "by this run's engine, once")
+    # computed by this layout's engine, whether by the row's run or its resume column's (the same arguments)
+    says = ("reference: log-probs of",)
     skips = {
         "resume": "dpo-zero2 (killed) and dpo-zero3 resume a DPO run: the reference file read back, the order kept",
         "export_tool": "tools/export_hf.py converts the ZeRO checkpoint, which the objective does not change",
         "layout": "a DPO checkpoint is a ZeRO checkpoint, converted as the zero rows' are; the reference is a file",
     }
 
-    def row(name, combo, *extra, nproc=2, baseline="dpo-zero0", **kw) -> Mode:
+    def row(name, combo, *extra, fragments=(), nproc=2, baseline="dpo-zero0", **kw) -> Mode:
         kw.setdefault("resume", "")
         kw["skips"] = {c: why for c, why in skips.items() if not (c == "resume" and kw["resume"])}
-        args = (*CONFIGS[combo], *dpo(name), *extra)
+        args = (*CONFIGS[combo], *fragments, *dpo(name), *extra)
         return Mode(name, args, nproc, baseline=baseline, says=says + kw.pop("says", ()), family="dpo", **kw)
 
-    tp = (TENSOR_PARALLEL[2], *micro(2))
+    tp = {"fragments": (TENSOR_PARALLEL[2],)}
     return [
         row("dpo-zero1", "zero1"),
         row("dpo-zero2", "zero2", resume="kill"),
         row("dpo-zero3", "zero3", resume="step4", says=("model: built under zero.Init",)),
-        row("dpo-tp2-zero1", "zero1", *tp, says=("2 ranks = 1 data-parallel x 2 tensor-parallel",)),
+        row("dpo-tp2-zero1", "zero1", *micro(2), **tp, says=("2 ranks = 1 data-parallel x 2 tensor-parallel",)),
         row("dpo-lora-zero2", "zero2", "--model_name_or_path", LORA_BASE, *LORA, baseline="dpo-lora-zero0"),
     ]
 

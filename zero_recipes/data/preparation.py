@@ -44,6 +44,11 @@ class Prepared:
         return bool(self.formats) and all(f != "text" for f in self.formats)
 
     @property
+    def held_out_rows(self):
+        """The eval rows as segments of (tokens, label mask): what the live samples take their prompts from."""
+        return self.eval
+
+    @property
     def probe_rows(self):
         """Rows to take an export-check probe from: eval, else train (None for a stream without eval)."""
         for rows in (self.eval, self.train):

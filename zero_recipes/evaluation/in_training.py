@@ -118,7 +118,7 @@ def held_out_prompts(prepared, tokenizer, n: int) -> list[dict]:
     """`n` held-out rows spread over the eval set, as prompts with their reference answers: an SFT row's
     prompt is everything before its first trained token (already in the chat template the run trains with)
     and its reference the trained tokens; a text row's first TEXT_PROMPT_TOKENS tokens and the next as many."""
-    rows = prepared.eval
+    rows = prepared.held_out_rows
     if rows is None or not hasattr(rows, "row") or not len(rows):
         return []
     picks = np.unique(np.linspace(0, len(rows) - 1, num=min(n, len(rows))).round().astype(int))

@@ -31,6 +31,12 @@ class Preference:
                 "attention runs through sdpa; use --attn_implementation sdpa"
             )
 
+    def check_inputs(self, plan) -> None:
+        """What needs the resolved plan, before any process group: a given reference file's model."""
+        from zero_recipes.preference import reference
+
+        reference.check_given_file(plan.cfg, plan.precision)
+
     def prepare_data(self, cfg, tok, log):
         from zero_recipes.preference import prepare
 

@@ -41,8 +41,29 @@ class PreparedPairs:
     exact_match = False
 
     @property
+    def held_out_rows(self):
+        """The eval pairs as SFT rows (prompt, then the chosen answer trained): the live samples' prompts, with the
+        chosen answer as their reference."""
+        return None if self.eval is None else ChosenRows(self.eval)
+
+    @property
     def probe_rows(self):
         return None  # the export check takes its probe from the order (train.py check_export)
+
+
+class ChosenRows:
+    """Pairs read as SFT rows: prompt + chosen, the chosen tokens masked in."""
+
+    def __init__(self, pairs: PairSamples):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def row(self, i: int):
+        pair = self.pairs.row(i)
+        tokens = pair.tokens[: pair.prompt + pair.chosen]
+        return [(tokens, (np.arange(len(tokens)) >= pair.prompt).astype(np.uint8))]
 
 
 def options(cfg) -> dict:

@@ -68,10 +68,27 @@ def load(path: Path, meta: dict) -> dict | None:
         return {s: torch.from_numpy(np.array(f[s])) for s in SPLITS}
 
 
+def check_given_file(cfg, precision: str) -> None:
+    """A --reference_cache that exists and holds another model's log-probs, refused before anything starts (the
+    data's part of its record is checked once the pairs are prepared, in `load`)."""
+    if not cfg.reference_cache or not Path(cfg.reference_cache).is_file():
+        return
+    with np.load(cfg.reference_cache) as f:
+        stored = json.loads(str(f["meta"]))
+    meta = {"reference": identity(cfg, precision)}
+    if stored.get("reference") != meta["reference"]:
+        raise ConfigError(
+            f"--reference_cache {cfg.reference_cache} holds the reference log-probs of another model "
+            f"({short(stored, 'model')}, this run: {short(meta, 'model')}); point --reference_cache at a new file or "
+            "delete that one"
+        )
+
+
 def short(meta: dict, what: str) -> str:
     if what == "model":
         ref = meta.get("reference", {})
-        return f"model {ref.get('model')}, {ref.get('precision')}"
+        model = ref.get("model") or f"a random init (seed {ref.get('seed')})"
+        return f"{model}, {ref.get('precision')}"
     return f"pairs {meta.get('pairs')}, {meta.get('counts')}"
 
 

@@ -17,6 +17,9 @@ class LanguageModeling:
     def check(self, cfg, active_modes: dict) -> None:
         """Nothing beyond the options' own checks."""
 
+    def check_inputs(self, plan) -> None:
+        """Nothing: the data's checks are data.check's."""
+
     def prepare_data(self, cfg, tok, log):
         return data.prepare(cfg, tok, log)
 
