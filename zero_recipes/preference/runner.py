@@ -46,6 +46,13 @@ class PreferenceRunner(EagerRunner):
             pair, cfg.loss_type, cfg.loss_weights, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha
         )
 
+    def logged_logps(self, logps, batch: dict):
+        """logps/* as TRL logs them: summed (DPOTrainer), or per token for the reference-free types (its CPO and
+        ORPO trainers average them)."""
+        if self.cfg.loss_type[0] in losses.REFERENCE_FREE:
+            return logps / batch["answer_tokens"].to(logps.dtype)
+        return logps
+
     def global_counts(self, batches: list[dict]):
         """The step's pairs and chosen tokens over every rank (each replica's once)."""
         counts = torch.stack(
@@ -75,7 +82,7 @@ class PreferenceRunner(EagerRunner):
                 )
             engine.step()
             step_losses.append(loss.detach().float())
-            sums += metric_sums(t, logps.detach())
+            sums += metric_sums(t, self.logged_logps(logps.detach(), batch))
         self.step_means = {name: (sums[i], sums[-1]) for i, name in enumerate(METRICS)}
         self.step_tokens = sum(b["input_ids"].numel() for b in micro_batches)  # computed, each prompt once
         return step_losses, grad_norm
@@ -102,7 +109,7 @@ class PreferenceRunner(EagerRunner):
                 logps, _ = self.answer_logps(batch)
                 t = self.terms(logps, batch, "eval")
                 w = torch.tensor(real, dtype=torch.float64, device=device)
-                total[: len(METRICS) + 1] += metric_sums(t, logps, w)
+                total[: len(METRICS) + 1] += metric_sums(t, self.logged_logps(logps, batch), w)
                 total[-2] += (t.per_pair.double() * w).sum()
                 if real == [True] * micro:  # the token-mean terms are per batch: whole batches only
                     total[-1] += t.chosen_nll_sum.double()
