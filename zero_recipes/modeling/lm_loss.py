@@ -60,7 +60,8 @@ def tile_tokens(cfg, model_config) -> int:
 def applies(cfg, model_config, sp: int) -> bool:
     """Whether train.py computes the loss itself: always under SP (transformers ignores `shift_labels`
     without `labels`), else when tiling is on and could engage for this run's micro-batch."""
-    if not knows_head(model_config) or cfg.objective != "lm":  # DPO keeps logits of answer tokens only (preference/)
+    # DPO keeps the logits of answer tokens only (preference/pairs.py); the estimator's cfg may not name an objective
+    if not knows_head(model_config) or getattr(cfg, "objective", "lm") != "lm":
         return False
     local_tokens = cfg.per_device_train_batch_size * cfg.block_size // sp
     return sp > 1 or (cfg.tiled_loss and local_tokens > tile_tokens(cfg, model_config))

@@ -389,7 +389,11 @@ def sample_lines(cfg, tok) -> list[str]:
         raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
     columns = list(dict.fromkeys(k for row in rows for k in row))
     fmt, how = detect(columns, spec.name)
-    max_length, mode = getattr(cfg, "max_length", None), getattr(cfg, "truncation_mode", "keep_start")
+    if is_chat(as_trl(fmt, rows[0], 1)["chosen"]):  # as preparing gives it: the model's template, or the embedded one
+        from zero_recipes.data.formats import ensure_chat_template
+
+        ensure_chat_template(tok, lambda *a, **k: None)
+    max_length, mode = cfg.max_length, cfg.truncation_mode
     out = TokenizePairs(tok, fmt, max_length, mode, spec.name)(
         {k: [r.get(k) for r in rows] for k in columns}, range(len(rows))
     )
