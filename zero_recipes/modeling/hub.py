@@ -49,6 +49,11 @@ def _probe(endpoint: str) -> Optional[str]:
     return None
 
 
+EMBEDDED_OUTPUTS = {Path(TrainConfig.output_dir): "the quick start", Path("outputs/tiny-sft"): "recipes/tiny-sft.yaml"}
+"""Where the tiny recipes leave the embedded tiny Llama, trained: what a recipe that starts from them plans with
+before they ran."""
+
+
 def dry_run_model_config(cfg: TrainConfig):
     """(model config, notes): the config a dry run plans with, and a note whenever it is not the one training
     would load. Where training would fetch the config and cannot, what stands in is, in order: the local cache;
@@ -65,10 +70,10 @@ def dry_run_model_config(cfg: TrainConfig):
         )
     if not name or "model_type" in overrides or Path(os.path.expanduser(name)).exists():
         return modeling.load_model_config(cfg), notes  # nothing to fetch
-    if Path(name) == Path(TrainConfig.output_dir):
+    if (writer := EMBEDDED_OUTPUTS.get(Path(name))) is not None:
         embedded = modeling.load_model_config(dataclasses.replace(cfg, model_name_or_path=None))
         return embedded, notes + (
-            f"{name} does not exist yet (the quick start writes it): planned with the embedded tiny Llama it will hold",
+            f"{name} does not exist yet ({writer} writes it): planned with the embedded tiny Llama it will hold",
         )
     modeling.local_missing(name)  # a path that does not exist is refused as training refuses it
     why = unreachable()

@@ -115,6 +115,9 @@ def test_recipe_dry_runs_offline_as_shipped_and_header_carries_its_command(recip
     if model == "outputs/tiny-llama":
         assert "# Needs:" in text and "quick start" in text  # the header says to run the quick start first
         assert "note: outputs/tiny-llama does not exist yet (the quick start writes it)" in out
+    elif model == "outputs/tiny-sft":
+        assert "# Needs:" in text and "recipes/tiny-sft.yaml" in text
+        assert "note: outputs/tiny-sft does not exist yet (recipes/tiny-sft.yaml writes it)" in out
     elif model:
         assert model in ARCHITECTURES, f"{recipe.name}: add {model}'s published config to shipped.ARCHITECTURES"
         named = re.search(r"--model (recipes/configs/\S+\.json)", text)
@@ -219,7 +222,7 @@ def test_recipe_header_memory_estimate_is_current(recipe, quick_start_model):
     command = re.search(r"(python tools/estimate_memory\.py [^\n]+)", header)
     assert stated and command, f"{recipe.name}: '# Memory:' must give the estimate and the command that made it"
     args = shlex.split(command.group(1))[2:]
-    if "model_name_or_path: outputs/tiny-llama" in recipe.read_text():
+    if re.search(r"model_name_or_path: outputs/tiny-(llama|sft)\n", recipe.read_text()):
         args += ["--model", str(quick_start_model)]  # the quick start's output, stood in for
     proc = tool_in_process("estimate_memory", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
