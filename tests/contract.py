@@ -344,7 +344,8 @@ def preference_rows() -> list[Mode]:
 
     tp = {"fragments": (TENSOR_PARALLEL[2],)}
     return [
-        row("dpo-zero1", "zero1"),
+        # 2 pairs x 2 accumulation steps per rank: the same 8 pairs a step, averaged over all of them
+        row("dpo-zero1", "zero1", *batch(2, 2)),
         row("dpo-zero2", "zero2", resume="kill"),
         row("dpo-zero3", "zero3", resume="step4", says=("model: built under zero.Init",)),
         row("dpo-tp2-zero1", "zero1", *micro(2), **tp, says=("2 ranks = 1 data-parallel x 2 tensor-parallel",)),
