@@ -125,7 +125,9 @@ def bases(trained, shared_runs):
             named[contract.DPO_PAIRS] = str(shared_runs.made("dpo-pairs", make_dpo_pairs) / "pairs.jsonl")
         for a in args:
             if a.startswith(contract.dpo_reference("")[:-1]):  # a row's own reference file (contract.dpo)
-                named[a] = str(shared_runs.root / "dpo-references" / f"{a[len(contract.dpo_reference('')) - 1 : -1]}.npz")
+                named[a] = str(
+                    shared_runs.root / "dpo-references" / f"{a[len(contract.dpo_reference('')) - 1 : -1]}.npz"
+                )
         return named
 
     return get

@@ -114,8 +114,10 @@ BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trai
     "lora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", LORA_BASE, *LORA, "--verify_export"), "lora-zero0"),
     "qlora-zero0": ((*CONFIGS["zero0"], "--model_name_or_path", QLORA_BASE, *QLORA), "qlora-zero0"),
     "dpo-zero0": ((*CONFIGS["zero0"], *dpo("dpo-zero0")), "dpo-zero0"),
-    "dpo-lora-zero0": ((*CONFIGS["zero0"], *dpo("dpo-lora-zero0"), "--model_name_or_path", LORA_BASE, *LORA),
-                       "dpo-lora-zero0"),
+    "dpo-lora-zero0": (
+        (*CONFIGS["zero0"], *dpo("dpo-lora-zero0"), "--model_name_or_path", LORA_BASE, *LORA),
+        "dpo-lora-zero0",
+    ),
 }
 
 

@@ -109,7 +109,9 @@ def _shared_prompt(sdpa, module, query, key, value, args, kwargs):
         if a > ends:  # nothing is laid there (collate leaves no gaps); kept exact anyway
             out.append(sdpa(module, *(t[:, :, ends:a] for t in (query, key, value)), None, *args, **kwargs)[0])
         out.append(sdpa(module, *(t[:, :, a : a + p + c] for t in (query, key, value)), None, *args, **kwargs)[0])
-        rejected = [torch.cat([t[:, :, a : a + p], t[:, :, a + p + c : a + p + c + r]], dim=2) for t in (query, key, value)]
+        rejected = [
+            torch.cat([t[:, :, a : a + p], t[:, :, a + p + c : a + p + c + r]], dim=2) for t in (query, key, value)
+        ]
         out.append(sdpa(module, *rejected, None, *args, **kwargs)[0][:, p:])
         ends = a + p + c + r
     if ends < seq:

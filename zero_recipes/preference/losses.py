@@ -76,7 +76,9 @@ def pair_losses(lp: PairLogps, loss_type, loss_weights, beta, label_smoothing, s
         chosen_avg, rejected_avg = lp.chosen / lp.chosen_tokens, lp.rejected / lp.rejected_tokens
         if loss_type[0] == "simpo":  # CPOTrainer.cpo_loss (alpha 0), SimPO (arXiv 2405.14734) eq. 6
             logits = chosen_avg - rejected_avg - simpo_gamma / beta
-            per_pair = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+            per_pair = (
+                -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+            )
             nll = cpo_alpha * -lp.chosen.sum()
         else:  # ORPOTrainer.odds_ratio_loss, ORPO (arXiv 2403.07691) eq. 6-7: NLL - beta * log sigmoid(log odds)
             c, r = chosen_avg.float(), rejected_avg.float()
@@ -114,7 +116,9 @@ def dpo_type(name, lp: PairLogps, chosen_ratio, rejected_ratio, delta, beta, lab
     if name == "exo_pair":  # EXO (arXiv 2402.00856) eq. 16
         eps = torch.tensor(label_smoothing, dtype=delta.dtype, device=delta.device)
         qw, ql = torch.sigmoid(beta * delta), torch.sigmoid(-beta * delta)
-        return qw * (F.logsigmoid(beta * delta) - torch.log1p(-eps)) + ql * (F.logsigmoid(-beta * delta) - torch.log(eps))
+        return qw * (F.logsigmoid(beta * delta) - torch.log1p(-eps)) + ql * (
+            F.logsigmoid(-beta * delta) - torch.log(eps)
+        )
     if name == "nca_pair":  # NCA (arXiv 2402.05369)
         c, r = beta * chosen_ratio, beta * rejected_ratio
         return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)

@@ -80,7 +80,9 @@ def options(cfg) -> dict:
 def check(cfg) -> None:
     """What a preference run refuses in one line before anything loads."""
     if cfg.dataset_mixture is not None:
-        raise ConfigError("--objective dpo reads one preference set; a dataset_mixture is not supported: merge the files")
+        raise ConfigError(
+            "--objective dpo reads one preference set; a dataset_mixture is not supported: merge the files"
+        )
     if cfg.streaming:
         raise ConfigError(
             "--objective dpo with --streaming: the reference log-probs are computed once over the whole set before "
@@ -150,7 +152,9 @@ def select(cols: dict, block: int, report: dict) -> np.ndarray:
     keep = drop == ""
     for why in sorted(set(drop) - {""}):
         report[why] = int((drop == why).sum())
-    total = np.array([len(p) + len(c) + len(r) for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])])
+    total = np.array(
+        [len(p) + len(c) + len(r) for p, c, r in zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"])]
+    )
     too_long = keep & (total > block)
     if too_long.any():
         report[f"prompt + both answers longer than block_size {block}"] = int(too_long.sum())
@@ -163,7 +167,9 @@ def build(cfg, spec, source, tok, out: Path, log) -> None:
     cols = tokenized(cfg, spec, source, spec.split, tok, log)
     kept = select(cols, cfg.block_size, report)
     if not len(kept):
-        raise ConfigError(f"dataset '{spec.name}' keeps no pair: {summary(len(cols['drop']), report)}; raise --block_size or --max_length")
+        raise ConfigError(
+            f"dataset '{spec.name}' keeps no pair: {summary(len(cols['drop']), report)}; raise --block_size or --max_length"
+        )
     eval_cols, eval_kept = None, np.zeros(0, dtype=np.int64)
     if spec.eval_split:
         eval_cols = tokenized(cfg, spec, source, spec.eval_split, tok, log)
@@ -194,7 +200,11 @@ def write_pairs(tmp: Path, name: str, cols: Optional[dict], kept: np.ndarray) ->
         lengths.append((len(p), len(c), len(r)))
     tokens = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, dtype=np.int32)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, 3)
-    starts = np.concatenate([[0], np.cumsum(lengths.sum(axis=1))[:-1]]).astype(np.int64) if len(lengths) else np.zeros(0, dtype=np.int64)
+    starts = (
+        np.concatenate([[0], np.cumsum(lengths.sum(axis=1))[:-1]]).astype(np.int64)
+        if len(lengths)
+        else np.zeros(0, dtype=np.int64)
+    )
     np.save(tmp / f"{name}_tokens.npy", tokens)
     np.save(tmp / f"{name}_starts.npy", starts)
     np.save(tmp / f"{name}_lengths.npy", lengths)
@@ -202,4 +212,3 @@ def write_pairs(tmp: Path, name: str, cols: Optional[dict], kept: np.ndarray) ->
 
 def summary(n: int, report: dict) -> str:
     return ", ".join([f"{n} pairs"] + [f"{why}: -{k}" for why, k in report.items()])
-

@@ -99,33 +99,34 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", ["identical answers", "another model's reference"])
-def test_bad_pairs_and_a_foreign_reference_are_one_line(case, mode_run, baseline_run, bases, tmp_path):
+def test_identical_answers_are_one_line_after_the_datas_progress_and_nothing_is_written(tmp_path):
+    """Found while preparing the pairs, after the process group started: the shell still gets one line, exit 2."""
     from zero_recipes.data.builtin import preference_examples
 
     pairs = preference_examples(40)
-    extra = ()
-    if case == "identical answers":
-        pairs[7]["rejected"] = pairs[7]["chosen"]
-        expect = "example 8"
-    else:  # ZeRO-0's file, computed from the embedded model's random init, given to a run from the LoRA base
-        extra = ("--model_name_or_path", LORA_BASE)
-        expect = "holds the reference log-probs of another model"
-    data = write(tmp_path / "pairs.jsonl", pairs if case == "identical answers" else preference_examples(80))
-    ref = str(reference_file(baseline_run(BY_NAME["dpo-zero1"]).check())) if extra else str(tmp_path / "ref.npz")
+    pairs[7]["rejected"] = pairs[7]["chosen"]
+    data = write(tmp_path / "pairs.jsonl", pairs)
     before = sorted(p.name for p in tmp_path.iterdir())
     args = [*FAST, "--deepspeed", *CONFIGS["zero0"], "--objective", "dpo", "--dataset_name", str(data),
-            "--block_size", "128", "--validation_split_percentage", "10", "--reference_cache", ref,
-            *(bases(extra).get(a, a) for a in extra)]  # fmt: skip
-    if extra:  # the data the file was made from: the contract's pairs
-        args[args.index(str(data))] = bases((DPO_PAIRS,))[DPO_PAIRS]
+            "--block_size", "128", "--reference_cache", str(tmp_path / "ref.npz")]  # fmt: skip
     proc = launch(args, tmp_path / "out", nproc=1, launcher="python").proc
     # after the data's progress bars (datasets' own, on stderr), one line and no traceback
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "examples/s" not in line and "it/s]" not in line]
+    lines = [
+        line for line in proc.stderr.splitlines() if line.strip() and "examples/s" not in line and "it/s]" not in line
+    ]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
+    assert lines[0].startswith("error: ") and "example 8: chosen and rejected are identical" in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output_dir, no reference file
 
+
+def test_another_models_reference_file_is_refused_before_anything_starts(baseline_run, bases, tmp_path):
+    """ZeRO-0's file, computed from the embedded model's random init, given to a run from the LoRA base."""
+    ref = reference_file(baseline_run(BY_NAME["dpo-zero1"]).check())
+    line = refusal("--deepspeed", *CONFIGS["zero0"], "--objective", "dpo", "--dataset_name", bases((DPO_PAIRS,))[DPO_PAIRS],
+                   "--model_name_or_path", bases((LORA_BASE,))[LORA_BASE], "--reference_cache", str(ref),
+                   "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert "holds the reference log-probs of another model" in line and "a random init (seed 42)" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_tiny_dpo_recipe_learns_the_preference_and_shows_its_answers(trained, tmp_path):

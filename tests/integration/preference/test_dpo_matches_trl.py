@@ -31,8 +31,8 @@ def base_and_pairs(tmp_path_factory):
 
     from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import load_tokenizer
-    from zero_recipes.data.formats import ensure_chat_template
     from zero_recipes.data.builtin import preference_examples
+    from zero_recipes.data.formats import ensure_chat_template
     from zero_recipes.modeling.model import TINY_LLAMA
 
     where = tmp_path_factory.mktemp("dpo-trl")
@@ -89,4 +89,3 @@ def test_dpo_losses_and_rewards_equal_trls_step_by_step(base_and_pairs):
     assert max(relative.values()) <= GAP and max(absolute.values()) <= REWARD_GAP, (relative, absolute)
     assert [r["rewards/accuracies"] for r in mine] == [r["rewards/accuracies"] for r in theirs]
     assert mine[-1]["loss"] < mine[0]["loss"]  # and it trains
-

@@ -57,8 +57,14 @@ CATALOGUE = {
 }
 # the quick start's recipes: tiny-sft and tiny-lora-sft are trained by test_sft_training.py; tiny-llama is the embedded default
 # (identical to `train.py --deepspeed ds_configs/zero3.json`), which the training tests run throughout
-ELSEWHERE = {"tiny-llama.yaml", "tiny-sft.yaml", "tiny-lora-sft.yaml", "tiny-longctx-sp2.yaml", "tiny-moe.yaml",
-             "tiny-dpo.yaml"}  # fmt: skip -- tiny-dpo: tests/integration/preference/test_dpo.py trains it
+ELSEWHERE = {
+    "tiny-llama.yaml",
+    "tiny-sft.yaml",
+    "tiny-lora-sft.yaml",
+    "tiny-longctx-sp2.yaml",
+    "tiny-moe.yaml",
+    "tiny-dpo.yaml",
+}  # fmt: skip -- tiny-dpo: tests/integration/preference/test_dpo.py trains it
 
 # Tiny shapes per architecture: 2 layers, width 64, GQA kept (4 heads over 2 KV heads).
 TINY = {

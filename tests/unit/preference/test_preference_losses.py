@@ -32,7 +32,9 @@ def test_simpo_is_trls_cpo_simpo(smoothing):
     lp = pairs()
     t = losses.pair_losses(lp, ["simpo"], None, beta=2.0, label_smoothing=smoothing, simpo_gamma=0.5, cpo_alpha=0.0)
     trl = stand_in(alpha=0.0, loss_type="simpo", simpo_gamma=0.5, beta=2.0, label_smoothing=smoothing)
-    theirs, chosen_r, rejected_r = CPOTrainer.cpo_loss(trl, lp.chosen / lp.chosen_tokens, lp.rejected / lp.rejected_tokens)
+    theirs, chosen_r, rejected_r = CPOTrainer.cpo_loss(
+        trl, lp.chosen / lp.chosen_tokens, lp.rejected / lp.rejected_tokens
+    )
     torch.testing.assert_close(t.per_pair, theirs, rtol=1e-12, atol=0)
     torch.testing.assert_close(t.chosen_rewards, chosen_r, rtol=1e-12, atol=0)
     torch.testing.assert_close(t.rejected_rewards, rejected_r, rtol=1e-12, atol=0)
@@ -52,7 +54,9 @@ def test_orpo_is_trls_odds_ratio_loss_and_its_nll():
     torch.testing.assert_close(t.chosen_rewards, chosen_r.double(), rtol=1e-6, atol=0)
     torch.testing.assert_close(t.rejected_rewards, rejected_r.double(), rtol=1e-6, atol=0)
     # its NLL: the chosen tokens' mean over the batch, as TRL's cross-entropy over the chosen labels
-    assert t.chosen_nll_sum / lp.chosen_tokens.sum() == pytest.approx((-lp.chosen.sum() / lp.chosen_tokens.sum()).item())
+    assert t.chosen_nll_sum / lp.chosen_tokens.sum() == pytest.approx(
+        (-lp.chosen.sum() / lp.chosen_tokens.sum()).item()
+    )
 
 
 def test_dpo_sigmoid_with_a_zero_margin_is_log_2_and_rewards_are_beta_ratios():
