@@ -27,6 +27,12 @@ from zero_recipes.errors import ConfigError
 SPLITS = ("train", "eval")
 
 
+WEIGHTS = (".safetensors", ".bin")
+CONFIGS = ("config.json", "adapter_config.json")
+"""What a model directory's reference is made of (a run directory also holds logs and run records, which a
+relaunch rewrites without changing the model)."""
+
+
 def identity(cfg, precision: str) -> dict:
     """What the reference is, without its weights: the pretrained files (names, sizes, modification times) or
     the random init's config and seed, the precision and a 4-bit base. Reading every weight would cost as much
@@ -34,9 +40,9 @@ def identity(cfg, precision: str) -> dict:
     out = {"precision": precision, "load_in_4bit": cfg.load_in_4bit}
     path = cfg.model_name_or_path
     if path and Path(path).is_dir():
-        files = sorted(p for p in Path(path).iterdir() if p.suffix in (".json", ".safetensors", ".bin"))
+        files = sorted(p for p in Path(path).iterdir() if p.suffix in WEIGHTS or p.name in CONFIGS)
         out["model"] = str(Path(path).resolve())
-        out["files"] = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        out["files"] = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     else:
         out["model"] = path  # a hub id: its cached snapshot is what from_pretrained reads
         out["model_config"] = cfg.model_config
@@ -48,6 +54,7 @@ def cache_path(cfg, prepared, precision: str) -> tuple[Path, dict]:
     """Where this run's reference log-probs live, and what the file must say it holds."""
     meta = {"reference": identity(cfg, precision), "pairs": prepared.key,
             "counts": [len(getattr(prepared, s) or ()) for s in SPLITS]}  # fmt: skip
+    meta = json.loads(json.dumps(meta))  # as the file will give it back (tuples become lists)
     if cfg.reference_cache:
         return Path(cfg.reference_cache), meta
     return prepared.entry / f"reference-{digest(meta)}.npz", meta
@@ -75,7 +82,7 @@ def check_given_file(cfg, precision: str) -> None:
         return
     with np.load(cfg.reference_cache) as f:
         stored = json.loads(str(f["meta"]))
-    meta = {"reference": identity(cfg, precision)}
+    meta = json.loads(json.dumps({"reference": identity(cfg, precision)}))
     if stored.get("reference") != meta["reference"]:
         raise ConfigError(
             f"--reference_cache {cfg.reference_cache} holds the reference log-probs of another model "
@@ -88,7 +95,10 @@ def short(meta: dict, what: str) -> str:
     if what == "model":
         ref = meta.get("reference", {})
         model = ref.get("model") or f"a random init (seed {ref.get('seed')})"
-        return f"{model}, {ref.get('precision')}"
+        weights = sum(size for name, size, _ in ref.get("files", []) if name.endswith(WEIGHTS))
+        return f"{model}, {ref.get('precision')}" + (
+            f", weights of {weights} bytes saved at their times" if weights else ""
+        )
     return f"pairs {meta.get('pairs')}, {meta.get('counts')}"
 
 
