@@ -34,6 +34,9 @@
     # a mixture of experts under ZeRO-2, ZeRO-3 and ZeRO-2 + EP2 (AutoEP) on 2 ranks: tokens/s, per-rank peak, loss
     python tools/benchmark.py moe                       # --quick: tiny Mixtral, 3 steps; --gpu: bf16, 2 GPUs
 
+    # DPO on 2 ranks, ZeRO-2 and ZeRO-3: pairs/s, peak RSS, first step vs TRL's DPOTrainer (live and precomputed reference)
+    python tools/benchmark.py dpo                       # --quick: tiny model, 8 pairs, 1 round (the test)
+
     # long context on 2 ranks: per-rank peak vs length for ZeRO-3, tiled loss, SP=2 and both; longest in a budget
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
@@ -62,6 +65,7 @@ COMMANDS = {
     "train": "speed.benchmark",
     "profile": "speed.profile",
     "sft": "sft.benchmark",
+    "dpo": "dpo.benchmark",
     "settings": "settings.benchmark",
     "gpu": "gpu.benchmark",
     "lora": "lora.benchmark",

@@ -79,7 +79,7 @@ def test_gpu_benchmark_quick_runs_every_part_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     proc = benchmark(without_absent(tmp_path), "gpu", "--quick", "--out-dir", str(out), timeout=900)
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    assert re.search(r"^plan: 6 parts, about \d+\.\d min on 2 CPU cores", proc.stdout, re.M), proc.stdout[:2000]
+    assert re.search(r"^plan: 7 parts, about \d+\.\d min on 2 CPU cores", proc.stdout, re.M), proc.stdout[:2000]
     assert all(re.search(rf"^  \d\. {re.escape(name)}: .*, ~\d+ s$", proc.stdout, re.M) for name in PARTS)
     [report] = list(out.glob("gpu-*.json"))
     r = json.loads(report.read_text())
@@ -104,9 +104,16 @@ def test_gpu_benchmark_quick_runs_every_part_on_the_cpu(tmp_path):
     sft = parts["SFT vs TRL"]
     assert list(sft["runners"]) == ["train.py", "TRL SFTTrainer"]
     assert all(x["label_tokens_per_sec"] > 0 for x in sft["runners"].values()) and sft["vs_trl"]["median"] > 0
+    dpo = parts["DPO 8B"]  # the recipe's flags on the tiny Llama: one epoch's reference pass, then pairs/s
+    assert dpo["reference_pairs"] == 8 and dpo["reference_seconds"] > 0 and dpo["pairs_per_step"] == 2, dpo
+    assert dpo["pairs_per_sec"] > 0 and dpo["peak_bytes"] > 0 and dpo["recipe"].startswith("recipes/llama-3.1-8b-")
     skipped = [x["what"] for x in r["skipped"]]
     assert "TP2, SP2 and PP2 across two GPUs" in skipped and "expert parallelism (EP2)" in skipped
     md = report.with_suffix(".md").read_text()
     assert "## Not measured here" in md and all(what in md for what in skipped)
-    assert "| ZeRO-2 | embedded tiny Llama |" in md and "train.py / TRL, label tokens/s" in md
+    assert (
+        "## DPO at the 8B shape" in md
+        and "| ZeRO-2 | embedded tiny Llama |" in md
+        and "train.py / TRL, label tokens/s" in md
+    )
     assert r["machine"]["cores"] and r["versions"]["trl"]

@@ -12,7 +12,9 @@ bench/gpu/parts.py):
 3. LoRA r 16 on all-linear of the ZeRO-2 part's export, the same figures;
 4. SFT: one round of sft/benchmark.py's train.py and TRL SFTTrainer runners on one GPU, label tokens/s and their ratio;
 5. MoE: moe/benchmark.py's GPU Mixtral (1.1B parameters, 8 experts, 2 per token) under ZeRO-2 on one GPU, the same;
-6. ZeRO-3: as 1, if the time budget still allows.
+6. DPO 8B: train.py's DPO with the 8B DPO recipe (or the 8B LoRA recipe with --objective dpo) at the
+   Llama-3.1-8B shape, random init, generated pairs, 6 steps: pairs/s, peak memory, the reference pass's seconds;
+7. ZeRO-3: as 1, if the time budget still allows.
 The plan, with each part's time estimate, is printed first. The report (md and json) is written before the
 first part and again as each part ends, so a run killed at the device's command limit keeps every finished
 part. No run saves a checkpoint (bench/runners/unsaved_train.py): nothing here reads one, and a 1B model's is ~17 GB.
@@ -49,6 +51,7 @@ PARTS = {
     "LoRA": ("LoRA r 16 of ZeRO-2's export", 40, 25, parts.lora),
     "SFT vs TRL": ("sft/benchmark.py's train.py and TRL SFTTrainer runners, one round", 100, 60, parts.sft_vs_trl),
     "MoE": ("a Mixtral, 8 experts, 2 per token, ZeRO-2", 60, 25, parts.mixture),
+    "DPO 8B": ("train.py's DPO at the Llama-3.1-8B shape, its recipe, 6 steps", 150, 45, parts.dpo_8b),
     "ZeRO-3": ("the dense Llama, ZeRO-3 (if time allows)", 65, 25, lambda s, tmp, t: parts.dense(s, "zero3", tmp, t)),
 }
 BUDGET = 450  # seconds from the start, parts included: with OVERHEAD and the report, under 8 minutes
@@ -135,6 +138,11 @@ def run_parts(s: dict, quick: bool, tmp: Path, budget: int, started: float, reco
 def summary(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['status'].upper()} after {r['seconds']:.0f} s"
+    if "pairs_per_sec" in r:
+        return (
+            f"{r['pairs_per_sec']:.2f} pairs/s, peak {r['peak_bytes'] / 2**30:.2f} GiB, reference pass "
+            f"{r['reference_seconds']:.1f} s; {r['seconds']:.0f} s"
+        )
     if "tokens_per_sec" in r:
         err = r["estimate_error"]
         return (

@@ -16,12 +16,13 @@ import json
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from zero_recipes.config.shipped import PRECISIONS, select
 
 from .. import paired
-from ..common import free_port, run_checked
+from ..common import REPO, free_port, run_checked
 from ..lora.benchmark import VARIANTS as LORA_VARIANTS
 from ..moe import benchmark as moe
 from ..parallel.benchmark import model_fields
@@ -44,16 +45,22 @@ SFT_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers"
 SFT_MODEL |= {"num_attention_heads": 16, "num_key_value_heads": 8}
 CONFIGS = select("zero2", "zero3")
 SFT_RUNNERS = ("train.py", "TRL SFTTrainer")
+# DPO at the 8B shape: its recipe when there is one, else the 8B recipe one GPU trains without offload (LoRA r 16,
+# ZeRO-2, bf16, 1 pair x 16 accumulation a step), with --objective dpo; random init of the published config
+DPO_RECIPES = ("recipes/llama-3.1-8b-dpo.yaml", "recipes/llama-3.1-8b-lora-24gb.yaml")
+LLAMA_8B = "recipes/configs/llama-3.1-8b.json"
 
 # dense: the model (None: the embedded tiny Llama); block, micro-batch, steps, logging window (the first left out)
 FULL = dict(
     precision="bf16", dense=LLAMA_1B, block=2048, micro=4, steps=20, window=5, moe_model=moe.SIZES["gpu"]["model"],
     moe_block=moe.SIZES["gpu"]["block"], moe_micro=moe.SIZES["gpu"]["micro"], shape_steps=10,
     sft={**sft.FULL, "rounds": 1, "model": SFT_MODEL, "fragments": PRECISIONS["bf16"]},
+    dpo=dict(model=LLAMA_8B, pairs=96, steps=6, window=2),
 )  # fmt: skip
 QUICK = dict(
     precision="fp32", dense=None, block=64, micro=4, steps=3, window=1, moe_model=moe.TINY, moe_block=64,
     moe_micro=4, shape_steps=3, sft={**sft.QUICK, "conversations": 24, "block": 256, "longest": 230, "rounds": 1},
+    dpo=dict(model=None, pairs=8, steps=2, window=1, accumulation=2),
 )  # fmt: skip
 
 
@@ -203,3 +210,102 @@ def sft_vs_trl(s: dict, tmp: Path, timeout: int) -> dict:
     ratio = paired.ratio(label, *SFT_RUNNERS)
     model = "embedded tiny Llama" + (f" with {json.dumps(settings['model'])}" if settings.get("model") else "")
     return {"model": model, "settings": settings, "data_tokens": work["tokens"], "runners": runners, "vs_trl": ratio}
+
+
+def dpo_recipe() -> Path:
+    return next(REPO / r for r in DPO_RECIPES if (REPO / r).exists())
+
+
+# a recipe's keys about its hub dataset (a split of it, its format) or about SFT rows: the local pairs file has none
+HUB_DATA_KEYS = ("dataset_config_name", "dataset_split", "eval_split", "dataset_format", "packing", "train_on_prompt")
+
+
+def local_recipe(recipe: Path, out: Path) -> Path:
+    """The recipe without HUB_DATA_KEYS (train.py's CLI can set a key, not unset one), written to `out`."""
+    import yaml
+
+    keys = yaml.safe_load(recipe.read_text())
+    out.write_text(yaml.safe_dump({k: v for k, v in keys.items() if k not in HUB_DATA_KEYS}, sort_keys=False))
+    return out
+
+
+def dpo_8b(s: dict, tmp: Path, timeout: int) -> dict:
+    """train.py's DPO at the 8B shape on one rank: the recipe (dpo_recipe) on a base directory of the published
+    config's shape (random init on the device, bf16, saved: no hub here, and a LoRA recipe needs a base to load),
+    the embedded tokenizer and generated pairs (bench/dpo/data.py: prompts of 100-300 tokens, answers of 50-200),
+    a short run. Pairs/s from bench/dpo's probe (each micro-batch's pairs and start; the reference pass is
+    before them), tokens/s and MFU from metrics.jsonl, the peak (`mem_peak_gb` on a GPU; the CPU's RSS under
+    --quick), the reference pass's seconds from train.py's log. --quick: the embedded tiny Llama, fp32, zero2.json."""
+    from zero_recipes import data as zr_data
+    from zero_recipes.config.train_config import TrainConfig
+    from zero_recipes.data import formats
+
+    from ..dpo import benchmark as dpo_bench, data as dpo_data
+
+    d, gpu = s["dpo"], cuda()
+    work = tmp / "dpo"
+    work.mkdir()
+    try:
+        tok_dir = zr_data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(work / "tokenizer-cache")))
+        tok = zr_data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(tok_dir)))
+        formats.ensure_chat_template(tok, lambda *a: None)
+        words, per_word = dpo_data.words_and_rate(tok)
+        rows = dpo_data.realistic_pairs(d["pairs"], words, per_word, seed=0)
+        pairs = dpo_data.write_jsonl(rows, work / "pairs.jsonl")
+        fields = json.loads((REPO / d["model"]).read_text()) if d["model"] else {"max_position_embeddings": 2048}
+        started = time.monotonic()
+        base = dpo_data.base_model(work / "base", tok, fields, dtype="bfloat16" if gpu else "float32",
+                                   device="cuda" if gpu else "cpu")  # fmt: skip
+        base_seconds = time.monotonic() - started
+        recipe = dpo_recipe()
+        argv = ["--recipe", str(local_recipe(recipe, work / "recipe.yaml")), "--objective", "dpo",
+                "--model_name_or_path", str(base), "--dataset_name", str(pairs), "--validation_split_percentage", "0",
+                "--max_steps", str(d["steps"]), "--logging_steps", str(d["window"]), "--eval_steps", "0",
+                "--save_steps", "0", "--report_to", "none"]  # fmt: skip
+        if not gpu:
+            argv += ["--deepspeed", *CONFIGS["zero2"], *PRECISIONS[s["precision"]]]
+        if d.get("accumulation"):  # --quick: fewer micro-batches a step than the recipe's
+            argv += ["--gradient_accumulation_steps", str(d["accumulation"])]
+        out, probe = work / "run", work / "probe"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(free_port()),
+        ]
+        cmd += ["--module", "bench.dpo.train_run", *argv, "--output_dir", str(out), "--probe_out", str(probe)]
+        log = run_checked(cmd, None, timeout, f"dpo 8B: {' '.join(cmd)}")
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        p = json.loads(Path(f"{probe}.rank0.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # 16 GB of bf16 base on the device's disk
+    logged = [r for r in records if "tokens_per_sec" in r]
+    steady = logged[1:] or logged
+    per_step = len(p["starts"]) // d["steps"]  # forwards (micro-batches) a step; the last step has no end stamp
+    ends = [k * per_step for k in range(d["steps"])]
+    rates = [sum(t[0] for t in p["tokens"][a:b]) / (p["starts"][b] - p["starts"][a]) for a, b in zip(ends, ends[1:])]
+    rates = rates[1:] or rates  # the first step's warm-up left out when there are others
+    ref = dpo_bench.REFERENCE_LINE.search(log)
+    if not ref:
+        raise RuntimeError(f"train.py logged no reference pass:\n{log[-2000:]}")
+    peak = max(r.get("mem_peak_gb", 0) for r in records) * 2**30 if gpu else p["max_rss_bytes"]
+    return {
+        "recipe": str(recipe.relative_to(REPO)),
+        "model": d["model"] or "embedded tiny Llama",
+        "pairs": d["pairs"],
+        "steps": d["steps"],
+        "pairs_per_step": sum(t[0] for t in p["tokens"]) // d["steps"],
+        "pairs_per_sec": statistics.median(rates),
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady),
+        "peak_bytes": int(peak),
+        "peak_source": "torch.cuda.max_memory_allocated" if gpu else "peak RSS (the CPU)",
+        "reference_pairs": int(ref[1]),
+        "reference_seconds": float(ref[3]),
+        "base_seconds": base_seconds,
+        "time_to_first_step": p["time_to_first_step"],
+        "final_loss": steady[-1]["loss"],
+    }

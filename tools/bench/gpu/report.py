@@ -105,6 +105,29 @@ def sft_section(r: dict | None) -> list[str]:
     return lines + ["", f"train.py / TRL, label tokens/s (window-paired): {paired.text(r['vs_trl'])}.", ""]
 
 
+def dpo_section(r: dict | None) -> list[str]:
+    if r is None:
+        return []
+    head = ["## DPO at the 8B shape: train.py, one rank", ""]
+    if r["status"] != "ok":
+        return head + [not_ok("DPO 8B", r), ""]
+    return head + [
+        f"`{r['recipe']}` with `--objective dpo` on {r['model']} (random init, saved as the base: "
+        f"{r['base_seconds']:.0f} s), {r['pairs']} generated pairs (prompts 100-300 tokens, answers 50-200), "
+        f"{r['steps']} steps of {r['pairs_per_step']} pairs.",
+        "",
+        "| pairs/s | tokens/s | MFU | peak | reference pass | time to first step s | wall s |",
+        "|---|---|---|---|---|---|---|",
+        f"| {r['pairs_per_sec']:.2f} | {r['tokens_per_sec']:,.0f} | {r['mfu']:.1%} | {size(r['peak_bytes'])} "
+        f"({r['peak_source']}) | {r['reference_seconds']:.1f} s for {r['reference_pairs']} pairs | "
+        f"{r['time_to_first_step']:.1f} | {r['seconds']:.0f} |",
+        "",
+        "Pairs/s: each step's pairs over its time (bench/dpo/probe.py), the first step left out; the reference "
+        "pass (train.py's, once, before step 1) is not in it and its seconds are train.py's own log line.",
+        "",
+    ]
+
+
 def error_line(error: str) -> str:
     """The error's first line (what failed, or timed out) and its last (the child's last words), the full text
     in the JSON."""
@@ -153,6 +176,7 @@ def markdown(r: dict) -> str:
         "",
         *shapes_table(parts.get("TP/SP/PP shapes")),
         *sft_section(parts.get("SFT vs TRL")),
+        *dpo_section(parts.get("DPO 8B")),
         "## Failures",
         "",
     ]
