@@ -173,7 +173,7 @@ def check_inputs(plan: RunPlan) -> CheckedInputs:
     the resume rules, the live eval's tasks."""
     cfg = plan.cfg
     report_to = metrics_log.report_targets(cfg.report_to)  # a tracker asked for but not installed fails here
-    sampled = data.check(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
+    sampled = plan.objective.check_data(cfg, sample=cfg.dry_run)  # a missing file or bad mixture fails here
     resume_request = run_dir.check_output_dir(
         plan.output_dir, plan.signature, cfg.overwrite_output_dir, cfg.resume_from_checkpoint
     )

@@ -31,6 +31,13 @@ class Preference:
                 "attention runs through sdpa; use --attn_implementation sdpa"
             )
 
+    def check_data(self, cfg, sample: bool) -> list[str]:
+        """The file found (data.check); its rows are read against the preference formats by dry_run_lines, not
+        against the SFT formats data.check samples with."""
+        from zero_recipes import data
+
+        return data.check(cfg, sample=False)
+
     def check_inputs(self, plan) -> None:
         """What needs the resolved plan, before any process group: a given reference file's model."""
         from zero_recipes.preference import reference

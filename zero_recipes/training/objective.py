@@ -17,6 +17,10 @@ class LanguageModeling:
     def check(self, cfg, active_modes: dict) -> None:
         """Nothing beyond the options' own checks."""
 
+    def check_data(self, cfg, sample: bool) -> list[str]:
+        """data.check: every dataset found; with `sample` (--dry_run) its first rows checked against the format."""
+        return data.check(cfg, sample)
+
     def check_inputs(self, plan) -> None:
         """Nothing: the data's checks are data.check's."""
 

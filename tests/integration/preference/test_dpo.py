@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from contract import BY_NAME, DPO_PAIRS, LORA, LORA_BASE, MOE_MODEL, QLORA_BASE, dpo, mode_args
-from helpers import CONFIGS, FAST, launch, refusal, train_args
+from helpers import CONFIGS, FAST, dry_run_in_process, launch, refusal, train_args
 
 
 def reference_file(run) -> Path:
@@ -82,6 +82,16 @@ def test_dpo_trains_in_the_modes_without_a_row(name, bases, tmp_path):
     assert "reference: log-probs of" in run.log
     tol = 1e-2 if "bf16" in name or "qlora" in name else 1e-5
     assert next(r["export_max_abs_logit_diff"] for r in run.records if "export_max_abs_logit_diff" in r) <= tol
+
+
+def test_dry_run_shows_one_pair_as_it_will_train(tmp_path):
+    from zero_recipes.data.builtin import preference_examples
+
+    data = write(tmp_path / "pairs.jsonl", preference_examples(20))
+    out = dry_run_in_process("--deepspeed", *CONFIGS["zero2"], "--objective", "dpo", "--dataset_name", str(data))
+    assert "detected TRL's preference format with an explicit prompt" in out
+    assert "chosen 10 and rejected 10 tokens (trained, in [...])" in out and "assistant\\n[" in out
+    assert "16 pairs x 256 tokens" in out and "memory: estimated peak" in out
 
 
 # ---- bad input: one line, exit 2, nothing written ------------------------------------------------------------
