@@ -124,7 +124,7 @@ def rows_of(examples: list[tuple[str, str]], sft: bool) -> Samples:
 
 class Prepared:
     def __init__(self, eval_rows):
-        self.eval = eval_rows
+        self.held_out_rows = eval_rows  # data.Prepared's: its eval rows (a preference run's: prompt + chosen)
 
 
 def test_eval_samples_take_prompt_and_reference_from_held_out_rows():

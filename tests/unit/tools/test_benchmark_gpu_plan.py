@@ -19,7 +19,7 @@ def test_the_full_run_plans_under_8_minutes_most_valuable_parts_first():
     est = gpu.seconds_of(quick=False)
     assert sum(est.values()) + gpu.OVERHEAD <= gpu.LIMIT == 480
     assert gpu.BUDGET + gpu.OVERHEAD <= gpu.LIMIT  # the budget's end, whatever the parts take
-    order = ["ZeRO-2", "TP/SP/PP shapes", "LoRA", "SFT vs TRL", "MoE", "ZeRO-3"]
+    order = ["ZeRO-2", "TP/SP/PP shapes", "LoRA", "SFT vs TRL", "MoE", "DPO 8B", "ZeRO-3"]
     assert list(gpu.PARTS) == order  # LoRA trains from ZeRO-2's export: it runs after it
     # a part that hangs stops at 3x its estimate: the longest one cannot take the rest of the lease
     assert max(est.values()) * gpu.TIMEOUT_FACTOR < 600

@@ -55,7 +55,7 @@ FULL = dict(
     precision="bf16", dense=LLAMA_1B, block=2048, micro=4, steps=20, window=5, moe_model=moe.SIZES["gpu"]["model"],
     moe_block=moe.SIZES["gpu"]["block"], moe_micro=moe.SIZES["gpu"]["micro"], shape_steps=10,
     sft={**sft.FULL, "rounds": 1, "model": SFT_MODEL, "fragments": PRECISIONS["bf16"]},
-    dpo=dict(model=LLAMA_8B, pairs=96, steps=6, window=2),
+    dpo=dict(model=LLAMA_8B, pairs=64, steps=4, window=2),
 )  # fmt: skip
 QUICK = dict(
     precision="fp32", dense=None, block=64, micro=4, steps=3, window=1, moe_model=moe.TINY, moe_block=64,
