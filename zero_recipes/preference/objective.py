@@ -58,7 +58,21 @@ class Preference:
         return runner
 
     def dry_run_lines(self, cfg, load_tokenizer) -> list[str]:
-        """One pair of the set, rendered with what is trained (--dry_run)."""
+        """One pair of the set, rendered with what is trained (--dry_run): with the model's tokenizer, or the
+        embedded one a tiny recipe's output will hold before that recipe ran; none when it cannot be read."""
+        import dataclasses
+        from pathlib import Path
+
+        from zero_recipes import data as zr_data
+        from zero_recipes.modeling.hub import EMBEDDED_OUTPUTS
         from zero_recipes.preference import data
 
-        return data.sample_lines(cfg, load_tokenizer())
+        name = cfg.model_name_or_path
+        try:
+            if name and Path(name) in EMBEDDED_OUTPUTS and not Path(name).exists():
+                tok = zr_data.load_tokenizer(dataclasses.replace(cfg, model_name_or_path=None))
+            else:
+                tok = load_tokenizer()
+        except ConfigError as e:
+            return [f"{cfg.dataset_name}: no pair rendered ({e})"]
+        return data.sample_lines(cfg, tok)
