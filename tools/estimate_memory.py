@@ -226,6 +226,12 @@ def parser() -> argparse.ArgumentParser:
         help="train.py's --tiled_loss (default true: head and loss in tiles once a micro-batch exceeds one tile)",
     )
     ap.add_argument("--loss_tile_tokens", type=int, help="train.py's --loss_tile_tokens (default 0: auto)")
+    ap.add_argument(
+        "--objective",
+        choices=["lm", "dpo"],
+        help="train.py's --objective (default: the recipe's, else lm); dpo: micro-batches count pairs of at most "
+        "--seq_len tokens, their answers' logits whole, the reference computed once (no reference model held)",
+    )
     ap.add_argument("--tiled_mlp", choices=["true", "false"], help="train.py's --tiled_mlp (default false)")
     lora_arguments(ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)"))
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..modeling import lm_loss
 from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
 
@@ -78,7 +79,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
         argv += ["--gradient_checkpointing", "true"]
     if getattr(args, "gradient_accumulation_steps", None):  # a pipeline's micro-batches a step
         argv += ["--gradient_accumulation_steps", str(args.gradient_accumulation_steps)]
-    for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp"):  # train.py's flags, parsed by train.py's parser
+    for name in ("tiled_loss", "loss_tile_tokens", "tiled_mlp", "objective"):  # train.py's flags, parsed by its parser
         value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name}", str(value).lower()]
@@ -181,7 +182,7 @@ def one(args, gpu_memory):
         cfg.block_size,
         cfg.gradient_checkpointing,
         cfg.attn_implementation or "sdpa",
-        tiled_loss=cfg.tiled_loss,
+        tiled_loss=lm_loss.tiles_loss(cfg),
         loss_tile_tokens=cfg.loss_tile_tokens,
         tiled_mlp=cfg.tiled_mlp,
         optim=cfg.optim,
@@ -228,9 +229,16 @@ def loss_notes(cfg, config, sp: int) -> list[str]:
     """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.modeling.lm_loss)."""
     from .activations import loss_tile
 
-    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, cfg.tiled_loss, cfg.loss_tile_tokens)
+    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, lm_loss.tiles_loss(cfg),
+                     cfg.loss_tile_tokens)  # fmt: skip
     local = cfg.per_device_train_batch_size * cfg.block_size // sp
     notes = []
+    if cfg.objective == "dpo":
+        notes.append(
+            f"DPO: a row of {cfg.per_device_train_batch_size} pairs of at most {cfg.block_size} tokens, their answers' "
+            "logits whole (bounded here by all the row's tokens); the reference log-probs computed once before the "
+            "first step (a forward without gradients, below this peak), no reference model held"
+        )
     if tile and local > tile:
         notes.append(
             f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "

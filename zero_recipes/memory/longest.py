@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zero_recipes.config import shipped
+from zero_recipes.modeling import lm_loss
 
 # The longest sequence: sequence parallelism over all GPUs of one node, at these counts, under ZeRO-3
 LONGEST_GPUS = (1, 2, 4, 8)
@@ -120,7 +121,7 @@ def longest_rows(
                     cfg.block_size,
                     gc,
                     cfg.attn_implementation or "sdpa",
-                    tiled_loss=cfg.tiled_loss,
+                    tiled_loss=lm_loss.tiles_loss(cfg),
                     loss_tile_tokens=cfg.loss_tile_tokens,
                     tiled_mlp=cfg.tiled_mlp,
                 )

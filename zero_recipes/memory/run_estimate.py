@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..modeling import lm_loss
 from .estimate import Estimate, Launch, estimate
 
 
@@ -28,7 +29,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 cfg.gradient_checkpointing,
                 cfg.attn_implementation or "sdpa",
                 "gpu" if torch.cuda.is_available() else "cpu",
-                tiled_loss=getattr(cfg, "tiled_loss", True),
+                tiled_loss=lm_loss.tiles_loss(cfg),
                 loss_tile_tokens=getattr(cfg, "loss_tile_tokens", 0),
                 tiled_mlp=getattr(cfg, "tiled_mlp", False),
                 optim=getattr(cfg, "optim", "adamw_torch_fused"),

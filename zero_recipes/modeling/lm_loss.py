@@ -67,6 +67,13 @@ def applies(cfg, model_config, sp: int) -> bool:
     return sp > 1 or (cfg.tiled_loss and local_tokens > tile_tokens(cfg, model_config))
 
 
+def tiles_loss(cfg) -> bool:
+    """Whether the run's loss may be tiled (what the memory estimate traces): `tiled_loss` for the LM objective.
+    DPO computes the logits of its answer tokens whole (preference/pairs.py); the estimate takes the micro-batch's
+    tokens as their bound."""
+    return bool(getattr(cfg, "tiled_loss", True)) and getattr(cfg, "objective", "lm") == "lm"
+
+
 def install(model, tokens_per_tile: int, tiled: bool, zero3: bool, balance: moe.BalancingLoss | None = None) -> None:
     """Replace `model.forward` (on this instance) by one that computes the loss with `summed_loss`, plus a
     mixture of experts' balancing loss (`balance`), which a loss from the logits alone would drop."""
