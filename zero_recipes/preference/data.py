@@ -368,9 +368,10 @@ def shown(text: str, width: int) -> str:
     return f"{text[:keep]} ...({len(text) - 2 * keep} chars)... {text[-keep:]}"
 
 
-def sample_lines(cfg, tok) -> list[str]:
+def sample_lines(cfg, load_tokenizer) -> list[str]:
     """--dry_run: the first SAMPLE_ROWS rows of the training split read (streamed, no cache written), checked and
-    tokenised as preparing would, and the first pair kept shown with what it trains."""
+    tokenised as preparing would (`load_tokenizer()` is asked only then: a hub dataset offline needs none), and the
+    first pair kept shown with what it trains."""
     from zero_recipes.data import sources
     from zero_recipes.modeling.hub import unreachable
 
@@ -389,6 +390,10 @@ def sample_lines(cfg, tok) -> list[str]:
         raise ConfigError(f"dataset '{spec.name}' (split {spec.split}) is empty")
     columns = list(dict.fromkeys(k for row in rows for k in row))
     fmt, how = detect(columns, spec.name)
+    try:
+        tok = load_tokenizer()
+    except ConfigError as e:  # a hub model's tokenizer, the hub offline: the rows were read and checked all the same
+        return [f"{spec.name}: the first {len(rows)} rows read; {how}; no pair rendered ({e})"]
     if is_chat(as_trl(fmt, rows[0], 1)["chosen"]):  # as preparing gives it: the model's template, or the embedded one
         from zero_recipes.data.formats import ensure_chat_template
 

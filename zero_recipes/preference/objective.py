@@ -68,11 +68,8 @@ class Preference:
         from zero_recipes.preference import data
 
         name = cfg.model_name_or_path
-        try:
-            if name and Path(name) in EMBEDDED_OUTPUTS and not Path(name).exists():
-                tok = zr_data.load_tokenizer(dataclasses.replace(cfg, model_name_or_path=None))
-            else:
-                tok = load_tokenizer()
-        except ConfigError as e:
-            return [f"{cfg.dataset_name}: no pair rendered ({e})"]
-        return data.sample_lines(cfg, tok)
+        if name and Path(name) in EMBEDDED_OUTPUTS and not Path(name).exists():
+            return data.sample_lines(
+                cfg, lambda: zr_data.load_tokenizer(dataclasses.replace(cfg, model_name_or_path=None))
+            )
+        return data.sample_lines(cfg, load_tokenizer)

@@ -240,7 +240,7 @@ def test_dry_run_shows_one_pair_with_its_trained_spans(chatml):
     assert f"prompt {len(p)} tokens (context, not trained), chosen {len(c)} and rejected {len(r)}" in head
     assert chosen.endswith(r"<|im_start|>assistant\n[5<|im_end|>\n]")
     assert rejected.endswith(r"<|im_start|>assistant\n[6<|im_end|>\n]")
-    lines = sample_lines(TrainConfig(dataset_name=builtin.BUILTIN_PREFERENCES), chatml)
+    lines = sample_lines(TrainConfig(dataset_name=builtin.BUILTIN_PREFERENCES), lambda: chatml)
     assert (
         "builtin:tiny-preferences: the first 16 rows read; detected TRL's preference format with an explicit"
         in lines[0]
