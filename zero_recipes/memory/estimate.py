@@ -83,6 +83,8 @@ class Launch:
     """train.py's --loss_tile_tokens (0: one tile's fp32 logits at most 256 MiB)."""
     tiled_mlp: bool = False
     """train.py's --tiled_mlp: every MLP through DeepSpeed's TiledMLP."""
+    objective: str = "lm"
+    """train.py's --objective: "dpo" traces a preference step (memory/objective.py; its loss is never tiled)."""
     expert_imbalance: float = moe_memory.EXPERT_IMBALANCE
     """Under expert parallelism: the most-loaded rank's routed rows over the balanced tokens x k (memory/moe.py)."""
 
@@ -356,6 +358,7 @@ def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: Model
         launch.tiled_loss,
         launch.loss_tile_tokens,
         launch.tiled_mlp,
+        launch.objective,
     )
 
 
@@ -369,8 +372,8 @@ def tiled_head_gradient(model_config, launch: Launch, mesh: Mesh, p: int, shape:
     one rank, bf16 (benchmarks/estimator.md, the 128k-vocabulary points); the same terms assumed for ZeRO-1 and 3."""
     from .activations import loss_tile
 
-    if shape.trainable is not None or shape.tp > 1:  # LoRA's head is frozen; TP's head is split: not modelled
-        return 0
+    if shape.trainable is not None or shape.tp > 1 or launch.objective != "lm":  # LoRA's head is frozen; TP's
+        return 0  # head is split: not modelled; DPO's is never tiled
     tile = loss_tile(
         model_config, launch.micro_batch_size, launch.seq_len, mesh.sp, launch.tiled_loss, launch.loss_tile_tokens
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..modeling import lm_loss
+from . import objective
 from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
 
@@ -186,6 +187,7 @@ def one(args, gpu_memory):
         loss_tile_tokens=cfg.loss_tile_tokens,
         tiled_mlp=cfg.tiled_mlp,
         optim=cfg.optim,
+        objective=cfg.objective,
     )
     if getattr(args, "expert_imbalance", None):
         launch.expert_imbalance = args.expert_imbalance
@@ -234,11 +236,7 @@ def loss_notes(cfg, config, sp: int) -> list[str]:
     local = cfg.per_device_train_batch_size * cfg.block_size // sp
     notes = []
     if cfg.objective == "dpo":
-        notes.append(
-            f"DPO: a row of {cfg.per_device_train_batch_size} pairs of at most {cfg.block_size} tokens, their answers' "
-            "logits whole (bounded here by all the row's tokens); the reference log-probs computed once before the "
-            "first step (a forward without gradients, below this peak), no reference model held"
-        )
+        notes.append(objective.note(cfg.per_device_train_batch_size, cfg.block_size))
     if tile and local > tile:
         notes.append(
             f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "

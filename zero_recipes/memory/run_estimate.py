@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..modeling import lm_loss
+from . import objective
 from .estimate import Estimate, Launch, estimate
 
 
@@ -33,6 +34,7 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
                 loss_tile_tokens=getattr(cfg, "loss_tile_tokens", 0),
                 tiled_mlp=getattr(cfg, "tiled_mlp", False),
                 optim=getattr(cfg, "optim", "adamw_torch_fused"),
+                objective=getattr(cfg, "objective", "lm"),
             ),
             lora=lora_config(cfg) if enabled(cfg) else None,
             load_in_4bit=cfg.load_in_4bit,
@@ -45,4 +47,5 @@ def for_run(model_config, ds: dict, cfg, world: int) -> tuple[Estimate | None, s
         f"{g['model_states_bytes'] / 2**30:.2f}, activations {g['activations_bytes'] / 2**30:.2f}, buffers "
         f"{g['buffers_bytes'] / 2**30:.2f}); host {e.per_node['cpu_bytes'] / 2**30:.2f} GiB per node "
         f"(tools/estimate_memory.py for the breakdown and --table)"
+        + (f"; {said}" if (said := objective.summary(getattr(cfg, "objective", "lm"))) else "")
     )

@@ -101,7 +101,9 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
     shape = ModelShape.of(config, lora, tp=tp, tp_block={"autotp_size": tp})
     attn = cfg.attn_implementation or "sdpa"
     acts = {
-        gc: activation_bytes(config, 1, cfg.block_size, dtype, gc, attn, lora, tp, shape.vocab_parallel)
+        gc: activation_bytes(
+            config, 1, cfg.block_size, dtype, gc, attn, lora, tp, shape.vocab_parallel, objective=cfg.objective
+        )
         for gc in (False, True)
     }
     return {"lora_r": lora_r, "lora": lora, "configs": names, "shape": shape, "acts": acts, "tp": tp, "pp": 1}
@@ -270,7 +272,7 @@ def cell_estimator(args, cfg, config, gpu_memory: int):
     from .estimate import Launch, Precomputed, estimate
 
     def run(v, ds_n, n, gc, micro):
-        launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc)
+        launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc, objective=cfg.objective)
         if v["pp"] > 1:
             stages = [a.scaled(micro) for a in v["acts"][gc]]
             return estimate(config, ds_n, launch, gpu_memory, precomputed=Precomputed(v["shape"], stage_traces=stages))
