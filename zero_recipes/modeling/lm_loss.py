@@ -69,8 +69,7 @@ def applies(cfg, model_config, sp: int) -> bool:
 
 def tiles_loss(cfg) -> bool:
     """Whether the run's loss may be tiled (what the memory estimate traces): `tiled_loss` for the LM objective.
-    DPO computes the logits of its answer tokens whole (preference/pairs.py); the estimate takes the micro-batch's
-    tokens as their bound."""
+    DPO computes the logits of its answer tokens whole (preference/pairs.py), traced by memory/objective.py."""
     return bool(getattr(cfg, "tiled_loss", True)) and getattr(cfg, "objective", "lm") == "lm"
 
 

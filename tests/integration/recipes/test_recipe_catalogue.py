@@ -44,6 +44,9 @@ CATALOGUE = {
     "llama-3.1-70b-sft-multinode.yaml": dict(data="ultrachat", nproc=2, stage=3, offload=(None, None)),
     "llama-3.1-8b-lora-24gb.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
     "qwen2.5-7b-lora-zero3.yaml": dict(data="smoltalk", nproc=2, stage=3, offload=(None, None)),
+    # preference recipes (--objective dpo): a text prompt with chosen / rejected conversations, as H4's set
+    "llama-3.1-8b-dpo.yaml": dict(data="ultrafeedback", nproc=1, stage=3, offload=(None, None)),
+    "qwen2.5-7b-lora-dpo-24gb.yaml": dict(data="ultrafeedback", nproc=1, stage=2, offload=(None, None)),
     # tensor-parallel recipes: their TP8 stood in for by TP2 on the 2 ranks (the tiny model has 2 KV heads)
     "llama-3.1-8b-sft-tp8.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
     "llama-3.1-70b-sft-tp8-4nodes.yaml": dict(data="ultrachat", nproc=2, stage=1, offload=(None, None), tp=2),
@@ -202,6 +205,12 @@ def rows(kind: str, n: int, start: int = 0) -> list[dict]:
                 out.append({"prompt": messages[0]["content"], "prompt_id": f"{i:064x}", "messages": messages})
             else:
                 out.append({"messages": messages})
+        elif kind == "ultrafeedback":  # HuggingFaceH4/ultrafeedback_binarized's *_prefs splits
+            question = {"role": "user", "content": f"Question {i}: {sentence(i, 6)}"}
+            chosen = [question, {"role": "assistant", "content": sentence(i + 1, 8)}]
+            rejected = [question, {"role": "assistant", "content": sentence(i + 2, 5)}]
+            out.append({"prompt": question["content"], "prompt_id": f"{i:064x}", "chosen": chosen,
+                        "rejected": rejected, "messages": chosen, "score_chosen": 8.0, "score_rejected": 4.0})  # fmt: skip
         elif kind == "smoltalk":
             out.append({"messages": chat(i, system=i % 3 == 0), "source": "smol-magpie-ultra"})
         elif kind == "alpaca":

@@ -45,9 +45,11 @@ SFT_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers"
 SFT_MODEL |= {"num_attention_heads": 16, "num_key_value_heads": 8}
 CONFIGS = select("zero2", "zero3")
 SFT_RUNNERS = ("train.py", "TRL SFTTrainer")
-# DPO at the 8B shape: its recipe when there is one, else the 8B recipe one GPU trains without offload (LoRA r 16,
-# ZeRO-2, bf16, 1 pair x 16 accumulation a step), with --objective dpo; random init of the published config
-DPO_RECIPES = ("recipes/llama-3.1-8b-dpo.yaml", "recipes/llama-3.1-8b-lora-24gb.yaml")
+# DPO at the 8B shape on one GPU: the 8B recipe one GPU trains without offload (LoRA r 16, ZeRO-2, bf16, 1 pair x 16
+# accumulation a step), with --objective dpo; random init of the published config. Not recipes/llama-3.1-8b-dpo.yaml:
+# a full fine-tune planned for 8 GPUs, whose model states alone are ~128 GB on one (its estimate's worst case on
+# one H200 is 139.55 GiB, over the card)
+DPO_RECIPES = ("recipes/llama-3.1-8b-lora-24gb.yaml",)
 LLAMA_8B = "recipes/configs/llama-3.1-8b.json"
 
 # dense: the model (None: the embedded tiny Llama); block, micro-batch, steps, logging window (the first left out)
