@@ -108,4 +108,5 @@ def eval_batches(rows, micro_batch: int, rank: int, world: int, max_batches: int
     for b in range(per_rank):
         idx = np.arange(micro_batch) + (b * world + rank) * micro_batch
         weight = torch.from_numpy((idx < n).astype(np.float32))
-        yield collate([rows.row(int(i % n)) for i in idx], pad_id), weight
+        collated = getattr(rows, "collate", collate)  # rows with their own layout (preference pairs) say so
+        yield collated([rows.row(int(i % n)) for i in idx], pad_id), weight

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zero_recipes import data
 from zero_recipes.checkpointing.atomic import staged
 from zero_recipes.data.cache import digest
 from zero_recipes.errors import ConfigError
@@ -137,17 +138,15 @@ def compute(runner, rows, plan, rank: int) -> torch.Tensor:
     out = torch.full((n, 2), -torch.inf, dtype=torch.float64)
     if n == 0:
         return out
-    mesh, micro = plan.mesh, plan.cfg.per_device_train_batch_size
-    dp_rank, dp = mesh.dp_rank(rank), mesh.dp
-    engine = runner.engine
+    micro, engine = plan.cfg.per_device_train_batch_size, runner.engine
     engine.eval()
     with torch.no_grad():
-        for b in range(-(-n // (dp * micro))):
-            idx = [((b * dp + dp_rank) * micro + k) for k in range(micro)]
-            batch = runner.micro_batch(rows.collate([rows.row(i % n) for i in idx]))
+        batches = data.eval_batches(rows, micro, plan.mesh.dp_rank(rank), plan.mesh.dp, 0, runner.prepared.pad_id)
+        for batch, weight in batches:
+            batch = runner.micro_batch(batch)
             logps, _ = runner.answer_logps(batch)
-            real = [k for k, i in enumerate(idx) if i < n]
-            out[[idx[k] for k in real]] = logps[real].double().cpu()
+            real = weight.bool()  # padding pairs repeat real ones: not stored twice
+            out[batch["pair_index"].cpu()[real]] = logps[real.to(logps.device)].double().cpu()
     engine.train()
     total = out.to(engine.device)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_recipes import data
 from zero_recipes.preference import losses
 from zero_recipes.preference.pairs import answer_logps
 from zero_recipes.training.runner import EagerRunner
@@ -95,23 +96,19 @@ class PreferenceRunner(EagerRunner):
         if rows is None:
             return {}
         self.engine.eval()
-        device, n, micro = self.engine.device, len(rows), cfg.per_device_eval_batch_size
+        device = self.engine.device
         total = torch.zeros(len(METRICS) + 3, dtype=torch.float64, device=device)  # metrics, pairs, loss sum, nll sum
         tokens = torch.zeros((), dtype=torch.float64, device=device)
-        per_shard = -(-n // (shards * micro))
-        if cfg.max_eval_batches:
-            per_shard = min(per_shard, cfg.max_eval_batches)
+        micro = cfg.per_device_eval_batch_size
         with torch.no_grad():
-            for b in range(per_shard):
-                idx = [(b * shards + shard) * micro + k for k in range(micro)]
-                real = [i < n for i in idx]
-                batch = self.micro_batch(rows.collate([rows.row(i % n) for i in idx]))
+            for batch, weight in data.eval_batches(rows, micro, shard, shards, cfg.max_eval_batches, prepared.pad_id):
+                batch = self.micro_batch(batch)
                 logps, _ = self.answer_logps(batch)
                 t = self.terms(logps, batch, "eval")
-                w = torch.tensor(real, dtype=torch.float64, device=device)
+                w = weight.to(device, torch.float64)
                 total[: len(METRICS) + 1] += metric_sums(t, self.logged_logps(logps, batch), w)
                 total[-2] += (t.per_pair.double() * w).sum()
-                if real == [True] * micro:  # the token-mean terms are per batch: whole batches only
+                if bool(weight.all()):  # the token-mean terms are per batch: whole batches only
                     total[-1] += t.chosen_nll_sum.double()
                     tokens += batch["answer_tokens"][:, 0].sum()
         stats = torch.cat([total, tokens[None]])
