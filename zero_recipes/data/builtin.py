@@ -137,13 +137,17 @@ def instruction_examples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def builtin_instructions_file(cfg) -> Path:
-    out = cache_root(cfg) / "tiny-instructions-v1.jsonl"
+def written_once(out: Path, examples) -> Path:
+    """`out` in the cache, written whole (one JSON line per example of `examples()`) the first time it is asked for."""
     if not out.exists():
         with staged(out) as tmp, tmp.open("w") as f:
-            for ex in instruction_examples(20000, seed=0):
+            for ex in examples():
                 f.write(json.dumps(ex) + "\n")
     return out
+
+
+def builtin_instructions_file(cfg) -> Path:
+    return written_once(cache_root(cfg) / "tiny-instructions-v1.jsonl", lambda: instruction_examples(20000, seed=0))
 
 
 # ---- the same tasks as preference pairs: the right answer chosen, a plausible wrong one rejected ----------------
@@ -184,9 +188,4 @@ def near_miss(question: str, right: str, rng: random.Random) -> str:
 def builtin_preferences_file(cfg) -> Path:
     """4,000 pairs from another seed than tiny-instructions' 20,000 SFT examples (seed 0), so a DPO run after
     the tiny SFT is not shown its training set (the task space is small: about half the questions recur)."""
-    out = cache_root(cfg) / "tiny-preferences-v1.jsonl"
-    if not out.exists():
-        with staged(out) as tmp, tmp.open("w") as f:
-            for ex in preference_examples(4000, seed=1):
-                f.write(json.dumps(ex) + "\n")
-    return out
+    return written_once(cache_root(cfg) / "tiny-preferences-v1.jsonl", lambda: preference_examples(4000, seed=1))
