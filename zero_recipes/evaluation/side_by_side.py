@@ -6,13 +6,12 @@ steps, as a JSONL of records and one self-contained HTML page to read them in.
     write_side_by_side("out/samples", prompts, {"base": a, "sft": b}, Decoding(), "base vs sft")
     append_column("run/samples", prompts, "step 200", outs, Decoding(), "tiny-sft")   # one column per eval
 
-A record is one answer: {"prompt", "reference", "column", "output", "decoding"}. The page is rebuilt from
-all of them, so a column added later (the next eval step) lands beside the earlier ones.
+A record is one answer (sample_records.py). The page (page.py) is rebuilt from all of them, so a column added
+later (the next eval step) lands beside the earlier ones.
 """
 
 from __future__ import annotations
 
-import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ from zero_recipes.checkpointing.atomic import write_text
 
 from ..data.formats import CHAT_ROLES
 from ..errors import ConfigError
+from .page import write_page
+from .sample_records import Answer, json_object, read_records, records_of
 
 # The default ChatML-style template (data/formats.py) writes its end of turn as plain text, not a special
 # token, so EOS alone does not end an answer: the text is cut here too.
@@ -70,20 +71,10 @@ def read_prompts(path) -> list[dict]:
     prompts = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            prompts.append(_prompt_of(_json_object(line, f"{path}:{n}"), f"{path}:{n}"))
+            prompts.append(_prompt_of(json_object(line, f"{path}:{n}"), f"{path}:{n}"))
     if not prompts:
         raise ConfigError(f'{path} holds no prompts; write one {{"prompt": ...}} object a line')
     return prompts
-
-
-def _json_object(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not JSON ({e.msg}); write one JSON object a line") from None
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: a JSON {type(row).__name__}, not an object; write one object a line")
-    return row
 
 
 def _prompt_of(row: dict, where: str) -> dict:
@@ -148,8 +139,9 @@ def stop_ids(tok, model) -> list[int]:
     return ids
 
 
-def generate(model, tokenizer, prompts, decoding: Decoding, synced: bool = False) -> list[str]:
-    """Each prompt's continuation (the prompt itself left out), one prompt at a time so nothing is padded.
+def generate(model, tokenizer, prompts, decoding: Decoding, synced: bool = False) -> list[Answer]:
+    """Each prompt's continuation (the prompt itself left out), one prompt at a time so nothing is padded, as
+    Answers: text that says whether it ended by itself or was cut at max_new_tokens.
     `prompts`: read_prompts' dicts, or str / chat lists. A plain HF causal LM or a peft PeftModel, on whatever
     device it is on. synced=True under ZeRO-3: every rank must pass the same number of prompts, since each
     forward gathers the weights from all ranks. The caller's RNG state and train mode are left as they were,
@@ -168,7 +160,7 @@ def generate(model, tokenizer, prompts, decoding: Decoding, synced: bool = False
         model.train(was_training)
 
 
-def _generate_one(model, tok, prompt, decoding: Decoding, synced: bool, device) -> str:
+def _generate_one(model, tok, prompt, decoding: Decoding, synced: bool, device) -> Answer:
     import torch
 
     prompt = prompt["prompt"] if isinstance(prompt, dict) else prompt
@@ -198,46 +190,23 @@ def _generate_one(model, tok, prompt, decoding: Decoding, synced: bool, device) 
         synced_gpus=synced,
         **sampling,
     )
-    new = tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
-    return new.split(END_OF_TURN)[0] if stop else new
+    new_ids = out[0, enc.input_ids.shape[1] :]
+    new = tok.decode(new_ids, skip_special_tokens=True)
+    # ended: stopped before the limit, or on the limit's last token by EOS or the end of turn
+    ended = len(new_ids) < decoding.max_new_tokens or int(new_ids[-1]) in (eos or []) or bool(stop and stop[0] in new)
+    return Answer(new.split(END_OF_TURN)[0] if stop else new, ended)
 
 
-# ---- records and the page --------------------------------------------------------------------------------
+# ---- the records and the page ----------------------------------------------------------------------------
 
 
-def records_of(prompts: list[dict], label: str, outputs: list[str], decoding) -> list[dict]:
-    """`decoding`: a Decoding, its description (Decoding.describe(tokenizer), which names the prompt format
-    the column's tokenizer gave), or {label: either} when columns differ."""
-    if len(outputs) != len(prompts):
-        raise ValueError(f"column {label!r} has {len(outputs)} outputs for {len(prompts)} prompts")
-    how = decoding.get(label, "") if isinstance(decoding, dict) else decoding
-    how = how if isinstance(how, str) else how.describe()
-    asked = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
-    return [
-        {"prompt": p["prompt"], "reference": p.get("reference"), "column": label, "output": o, "decoding": how}
-        for p, o in zip(asked, outputs)
-    ]
-
-
-def read_records(path) -> list[dict]:
-    path = Path(path)
-    records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            r = _json_object(line, f"{path}:{n}")
-            missing = [k for k in ("prompt", "column", "output") if k not in r]
-            if missing:
-                raise ConfigError(f"{path}:{n}: a record without {', '.join(missing)}; delete {path} to start over")
-            records.append(r)
-    return records
-
-
-def write_side_by_side(out_stem, prompts: list[dict], columns: dict, decoding, title: str) -> Path:
-    """OUT.jsonl and OUT.html from scratch, one column per entry of `columns` (label -> outputs). The page."""
+def write_side_by_side(out_stem, prompts: list[dict], columns: dict, decoding, title: str, judging=False) -> Path:
+    """OUT.jsonl and OUT.html from scratch, one column per entry of `columns` (label -> outputs). The page;
+    `judging`: two models a person judges blind on it (page.py)."""
     records = [r for label, outs in columns.items() for r in records_of(prompts, label, outs, decoding)]
     jsonl, page = _paths(out_stem)
     write_text(jsonl, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    write_page(page, records, title)
+    write_page(page, records, title, judging)
     return page
 
 
@@ -256,118 +225,3 @@ def append_column(out_stem, prompts: list[dict], label: str, outputs: list[str],
 def _paths(out_stem) -> tuple[Path, Path]:
     stem = str(out_stem)  # not with_suffix: a stem may hold dots ("samples.v2")
     return Path(stem + ".jsonl"), Path(stem + ".html")
-
-
-def exact_match(output: str, reference: str | None) -> bool:
-    return reference is not None and output.strip() == reference.strip()
-
-
-def _table(records: list[dict]) -> tuple[list[dict], dict[str, str]]:
-    """Rows (one per prompt, in order of first appearance) and columns (label -> decoding, the same order).
-    A prompt asked twice is two rows: each column's k-th answer to it goes in the k-th such row."""
-    rows: dict[tuple[str, int], dict] = {}
-    columns: dict[str, str] = {}
-    asked: dict[tuple[str, str], int] = {}
-    for r in records:
-        label, key = str(r["column"]), json.dumps(r["prompt"], sort_keys=True)
-        columns.setdefault(label, str(r.get("decoding") or ""))
-        k = asked[label, key] = asked.get((label, key), -1) + 1
-        row = rows.setdefault((key, k), {"prompt": r["prompt"], "reference": None, "outputs": {}})
-        row["reference"] = row["reference"] if row["reference"] is not None else r.get("reference")
-        row["outputs"][label] = str(r["output"])
-    return list(rows.values()), columns
-
-
-def write_page(html_path, records: list[dict], title: str) -> None:
-    """The page: a header (the title, each column's decoding and exact matches), then one row per prompt with
-    its reference and each column's answer. Everything escaped, no scripts and nothing fetched: it opens
-    from a copied file or a CI artifact as it is."""
-    rows, columns = _table(records)
-    with_ref = any(row["reference"] is not None for row in rows)
-    counts = {}
-    for label in columns:
-        judged = [row for row in rows if row["reference"] is not None and label in row["outputs"]]
-        counts[label] = (sum(exact_match(row["outputs"][label], row["reference"]) for row in judged), len(judged))
-    e = html.escape
-    legend = "".join(
-        f"<tr><th>{e(label)}</th><td>{e(how)}</td>"
-        + (f"<td>{counts[label][0]} / {counts[label][1]} exact</td>" if with_ref else "")
-        + "</tr>"
-        for label, how in columns.items()
-    )
-    head = "<th class=n>#</th><th>Prompt</th>" + ("<th>Reference</th>" if with_ref else "")
-    for label in columns:
-        hit, of = counts[label]
-        head += (
-            f"<th>{e(label)}" + (f"<span class=count><b>✓</b> {hit} / {of} exact</span>" if with_ref else "") + "</th>"
-        )
-    body = "".join(_row(i, row, columns, with_ref) for i, row in enumerate(rows, 1))
-    share = "auto" if not columns else f"{(100 - PROMPT_PCT - (REF_PCT if with_ref else 0)) / len(columns):.2f}%"
-    cols = f"<col style='width:3em'><col style='width:{PROMPT_PCT}%'>"
-    cols += (f"<col style='width:{REF_PCT}%'>" if with_ref else "") + f"<col style='width:{share}'>" * len(columns)
-    # past a few columns the table scrolls sideways rather than squeezing each answer into a sliver
-    wide = 360 + 160 * with_ref + 220 * len(columns)
-    what = f"{len(rows)} prompts, {len(columns)} column{'s' * (len(columns) != 1)}"
-    mark = "; ✓ marks an answer equal to the reference (surrounding whitespace ignored)" if with_ref else ""
-    write_text(
-        Path(html_path),
-        f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>"
-        f"<style>{CSS}</style></head><body><header><h1>{e(title)}</h1><p class=meta>{what}{mark}</p>"
-        f"<table class=legend>{legend}</table></header><table class=samples style='min-width:{wide}px'><colgroup>{cols}</colgroup>"
-        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></body></html>\n",
-    )
-
-
-PROMPT_PCT, REF_PCT = 24, 12
-
-
-def _row(i: int, row: dict, columns: dict, with_ref: bool) -> str:
-    ref = row["reference"]
-    cells = f"<td class=n>{i}</td><td>{_prompt_html(row['prompt'])}</td>"
-    if with_ref:
-        cells += f"<td class=ref>{_text(ref) if ref is not None else '<span class=none>none</span>'}</td>"
-    for label in columns:
-        out = row["outputs"].get(label)
-        if out is None:
-            cells += "<td class=out><span class=none>not asked</span></td>"
-        elif exact_match(out, ref):
-            cells += f"<td class='out match'>{_text(out)}<span class=mark>✓ exact match</span></td>"
-        else:
-            cells += f"<td class=out>{_text(out) if out.strip() else '<span class=none>(empty)</span>'}</td>"
-    return f"<tr>{cells}</tr>"
-
-
-def _text(s: str) -> str:
-    return f"<div class=text>{html.escape(s)}</div>"
-
-
-def _prompt_html(prompt) -> str:
-    if isinstance(prompt, str):
-        return _text(prompt)
-    if len(prompt) == 1 and prompt[0].get("role") == "user":  # a one-message chat reads as a plain question
-        return _text(str(prompt[0].get("content", "")))
-    return "".join(
-        f"<div class=msg><span class=role>{html.escape(str(m.get('role', '')))}</span>"
-        f"{_text(str(m.get('content', '')))}</div>"
-        for m in prompt
-    )
-
-
-CSS = """
-body{margin:28px 32px;font:14px/1.5 "DejaVu Sans","Segoe UI",system-ui,sans-serif;color:#1f2328;background:#fff}
-h1{font-size:21px;margin:0 0 2px}.meta{color:#59636e;margin:0 0 12px}table{border-collapse:collapse}
-.legend{margin:0 0 20px;font-size:13px}
-.legend th,.legend td{padding:2px 18px 2px 0;text-align:left;vertical-align:top}.legend td{color:#59636e}
-.samples{width:100%;table-layout:fixed}
-.samples th,.samples td{padding:9px 12px;text-align:left;vertical-align:top;border-bottom:1px solid #d8dee4}
-.samples th{position:sticky;top:0;background:#f6f8fa;border-bottom:2px solid #d0d7de;font-weight:600}
-.samples tbody tr:nth-child(even) td{background:#fafbfc}
-.n{color:#8c959f;text-align:right!important;font-variant-numeric:tabular-nums}
-.count{display:block;font-weight:400;font-size:12px;color:#59636e}.count b{color:#1a7f37}
-.text{white-space:pre-wrap;overflow-wrap:anywhere}
-.out .text,.ref .text{font:13px/1.5 "DejaVu Sans Mono",ui-monospace,monospace}.ref .text{color:#0a3069}
-.samples td.match{box-shadow:inset 4px 0 0 #1a7f37;background:#eefbf1!important}
-.mark{display:inline-block;margin-top:4px;font-size:12px;font-weight:600;color:#1a7f37}.msg+.msg{margin-top:6px}
-.role{display:block;font-size:11px;text-transform:uppercase;letter-spacing:.04em;color:#6e7781}
-.none{color:#8c959f;font-style:italic}
-"""

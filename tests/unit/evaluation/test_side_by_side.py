@@ -15,12 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from zero_recipes.data.builtin import instruction_examples
 from zero_recipes.data.formats import DEFAULT_CHAT_TEMPLATE
 from zero_recipes.errors import ConfigError
+from zero_recipes.evaluation.sample_records import blind_order, page_id, read_records
 from zero_recipes.evaluation.side_by_side import (
     Decoding,
     append_column,
     generate,
     read_prompts,
-    read_records,
     render_prompt,
     write_side_by_side,
 )
@@ -105,6 +105,20 @@ def test_greedy_returns_only_the_answer_and_stops_at_eos(tok):
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     chat += [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "52"}]
     assert generate(model, tok, [chat, chat[:3]], greedy) == ["52", "52"]
+    assert [a.ended for a in generate(model, tok, [QUESTION], greedy)] == [True]
+
+
+def test_an_answer_cut_at_max_new_tokens_says_so(tok, tmp_path):
+    model = answering(tok, "The cat sat")
+    whole = generate(model, tok, [QUESTION], Decoding(max_new_tokens=32))[0]
+    n = len(ids(tok, "The cat sat"))
+    # the limit on the answer's last token: the EOS after it never came, so the answer was cut
+    cut = generate(model, tok, [QUESTION], Decoding(max_new_tokens=n))[0]
+    assert (whole, whole.ended) == ("The cat sat", True) and (cut, cut.ended) == ("The cat sat", False)
+    # one token more: the EOS fits, the same text ended
+    assert generate(model, tok, [QUESTION], Decoding(max_new_tokens=n + 1))[0].ended is True
+    page = write_side_by_side(tmp_path / "s", [QUESTION], {"m": [cut]}, Decoding(), "t")
+    assert "cut off at max_new_tokens" in page.read_text() and read_records(tmp_path / "s.jsonl")[0]["ended"] is False
 
 
 def test_answers_are_cut_at_the_chatml_end_of_turn(tok):
@@ -267,6 +281,7 @@ def cells(page: str) -> list[str]:
 def test_the_page_escapes_and_orders_and_marks_exact_matches(tmp_path):
     prompts = [dict(p, reference=p.get("reference")) for p in PROMPTS]
     columns = {"zeta/base": ["52 ", "<b>bold</b>", "42", "1 2 3 4"], "alpha/sft": ["37", "", "42", "\n1 2 3\n"]}
+    columns["mid/dpo"] = ["1", "2", "3", "4"]  # a third column: beside two, a third answer to mark
     page = write_side_by_side(tmp_path / "out" / "samples", prompts, columns, Decoding(), "base & <sft>")
     text = page.read_text(encoding="utf-8")
     assert page == tmp_path / "out" / "samples.html"
@@ -277,9 +292,9 @@ def test_the_page_escapes_and_orders_and_marks_exact_matches(tmp_path):
     assert "white-space:pre-wrap" in text and "Be brief." in text and ">system<" in text
     # rows 1 and 4 have a reference: base matches row 1 (a trailing space ignored), sft row 4 (newlines
     # ignored); rows 2 and 3 have none, so their answers (both columns' "42" to row 3 too) are never marked
-    assert text.count("<b>✓</b> 1 / 2 exact") == 2
+    assert text.count("<b>✓</b> 1 / 2 exact") == 2 and text.count("<b>✓</b> 0 / 2 exact") == 1
     per_row = [c for c in cells(text) if c not in ("n", "ref", "")]
-    assert per_row == ["out match", "out", "out", "out", "out", "out", "out", "out match"]
+    assert per_row == ["out match", "out", "out"] + ["out"] * 6 + ["out", "out match", "out"]
     assert "(empty)" in text  # sft's blank answer to row 2 is shown as blank, not as a missing cell
     records = read_records(tmp_path / "out" / "samples.jsonl")
     assert [(r["column"], r["output"]) for r in records][:2] == [("zeta/base", "52 "), ("zeta/base", "<b>bold</b>")]
@@ -293,6 +308,43 @@ def test_each_column_can_say_how_it_was_made(tmp_path):
     page = write_side_by_side(tmp_path / "s", PROMPTS[:1], {"base": ["37"], "sft": ["52"]}, how, "t").read_text()
     assert "<th>base</th><td>greedy, raw text</td>" in page
     assert f"<th>sft</th><td>{Decoding(max_new_tokens=8).describe()}</td>" in page
+
+
+def test_two_columns_make_a_blind_judging_page(tmp_path):
+    prompts = [{"prompt": f"Question {i}?", "reference": None} for i in range(12)]
+    prompts[3] = {"prompt": "</script><script>document.title='x'</script>", "reference": None}
+    columns = {
+        "outputs/tiny-sft": [f"sft {i}" for i in range(12)],
+        "outputs/tiny-llama": [f"base {i}" for i in range(12)],
+    }
+    text = write_side_by_side(tmp_path / "s", prompts, columns, Decoding(), "t", judging=True).read_text("utf-8")
+    records = read_records(tmp_path / "s.jsonl")
+    page = page_id(records)
+    body = text.split("<tbody>")[1]
+    # each row's answers in the seeded order; the first model sits on the left in some rows, not all
+    lefts = []
+    for i, row in enumerate(body.split("<tr data-row=")[1:], 1):
+        left, right = blind_order(page, i, list(columns))
+        assert row.index(f"A = {left}") < row.index(f"B = {right}")
+        assert row.index("sft " if left == "outputs/tiny-sft" else "base ") < row.index(
+            "base " if left == "outputs/tiny-sft" else "sft "
+        )
+        lefts.append(left)
+    assert 0 < lefts.count("outputs/tiny-sft") < 12
+    assert "<th>Answer A</th><th>Answer B</th><th>Your judgment</th>" in text
+    # the names sit in elements shown only once revealed: the legend and each answer's tag
+    assert "<div class=names><table class=legend><tr><th>outputs/tiny-sft</th>" in text
+    assert ".names{display:none}.revealed .names{display:block}.who{display:none}" in text
+    # the page's data, inside a script element: a prompt cannot close it, and it reads back as the prompt
+    data = text.split("<script type=application/json id=judging-data>")[1].split("</script>")[0]
+    assert json.loads(data)["rows"][3]["prompt"] == prompts[3]["prompt"] and json.loads(data)["page"] == page
+    assert "<script>document.title" not in text
+    # rebuilt from the same answers, the same page; another answer, another identity
+    again = write_side_by_side(tmp_path / "t", prompts, columns, Decoding(), "t", judging=True).read_text("utf-8")
+    assert again == text
+    columns["outputs/tiny-llama"][0] = "changed"
+    write_side_by_side(tmp_path / "u", prompts, columns, Decoding(), "t", judging=True)
+    assert page_id(read_records(tmp_path / "u.jsonl")) != page
 
 
 def test_append_column_adds_a_step_per_eval(tmp_path):
