@@ -272,7 +272,7 @@ def preference_pairs(judged: Judged, keep_truncated: bool = False) -> tuple[list
     for rows in judged.judgments.values():
         for r, j in rows.items():
             by_row.setdefault(r, []).append(outcome(j))
-    pairs, counts = [], {"pairs": 0, "tie": 0, "both_bad": 0, "split": 0, "chosen_cut": 0}
+    pairs, counts = [], {"pairs": 0, "tie": 0, "both_bad": 0, "split": 0, "chosen_cut": 0, "empty_answer": 0}
     for r, outcomes in sorted(by_row.items()):
         top = Counter(outcomes).most_common(2)
         verdict = "split" if len(top) == 2 and top[0][1] == top[1][1] else top[0][0]
@@ -286,6 +286,10 @@ def preference_pairs(judged: Judged, keep_truncated: bool = False) -> tuple[list
         # older record's unknown, taken as ended
         if row["ended"].get(winner) is False and not keep_truncated:
             counts["chosen_cut"] += 1
+            continue
+        # a blank answer is no text to prefer or avoid: train.py would drop the pair, so it is not written
+        if not row["outputs"][winner].strip() or not row["outputs"][loser].strip():
+            counts["empty_answer"] += 1
             continue
         prompt = row["prompt"]
         pairs.append(

@@ -175,7 +175,7 @@ def _summary_html(s: dict) -> str:
     )
     kappa = lambda k: "undefined" if k is None else f"{k:.2f}"  # noqa: E731
     agree = "".join(
-        f"<li>{e(a['judges'][0])} and {e(a['judges'][1])}: {pct(a['percent'])} agreement on {a['shared']} prompts, "
+        f"<li>{e(a['judges'][0])} and {e(a['judges'][1])}: {a['percent']:.0f} % agreement on {a['shared']} prompts, "
         f"Cohen's κ {kappa(a['kappa'])}</li>"
         for a in s["agreement"]
     )

@@ -168,7 +168,8 @@ def build(cfg, spec, source, tok, out: Path, log) -> None:
     kept = select(cols, cfg.block_size, report)
     if not len(kept):
         raise ConfigError(
-            f"dataset '{spec.name}' keeps no pair: {summary(len(cols['drop']), report)}; raise --block_size or --max_length"
+            f"dataset '{spec.name}' keeps no pair: {summary(len(cols['drop']), report)}; "
+            + ("raise --block_size or --max_length" if any("longer" in why for why in report) else "fix those pairs")
         )
     eval_cols, eval_kept = None, np.zeros(0, dtype=np.int64)
     if spec.eval_split:

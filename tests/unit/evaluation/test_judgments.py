@@ -182,7 +182,7 @@ def test_preference_pairs_from_the_majority_leave_out_ties_splits_and_cut_winner
     pairs, counts = preference_pairs(two_judges)
     # Row 1: A twice; 2: A vs B (split); 3: B twice (the chat prompt); 4: tie vs A (split); 5: A, whose answer
     # was cut; 6: both bad; 7: B, cut; 8: A (ended unknown: taken as ended)
-    assert counts == {"pairs": 3, "tie": 0, "both_bad": 1, "split": 2, "chosen_cut": 2}
+    assert counts == {"pairs": 3, "tie": 0, "both_bad": 1, "split": 2, "chosen_cut": 2, "empty_answer": 0}
     assert pairs == [
         {
             "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
@@ -201,7 +201,7 @@ def test_preference_pairs_from_the_majority_leave_out_ties_splits_and_cut_winner
         },
     ]
     kept, counts = preference_pairs(two_judges, keep_truncated=True)
-    assert counts == {"pairs": 5, "tie": 0, "both_bad": 1, "split": 2, "chosen_cut": 0}
+    assert counts == {"pairs": 5, "tie": 0, "both_bad": 1, "split": 2, "chosen_cut": 0, "empty_answer": 0}
     assert [p["chosen"][0]["content"] for p in kept] == [
         "4",
         "Lyon",
@@ -219,7 +219,7 @@ def test_preference_pairs_with_three_judges(tmp_path):
     ]
     pairs, counts = preference_pairs(read_judgments(paths, RECORDS))
     # Row 1: A two to one; 2: tie; 3: one each (split); 4: A. Row 4's loser was not cut, which is no reason to drop it
-    assert counts == {"pairs": 2, "tie": 1, "both_bad": 0, "split": 1, "chosen_cut": 0}
+    assert counts == {"pairs": 2, "tie": 1, "both_bad": 0, "split": 1, "chosen_cut": 0, "empty_answer": 0}
     assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("4", "2 + 2 = 5"),
         ("tac", "cat"),
@@ -322,3 +322,13 @@ def test_a_page_without_two_columns_says_to_compare(tmp_path):
     with pytest.raises(ConfigError, match="judging compares two: write it with --compare") as e:
         read_judgments([path], records_of(PROMPTS, A, OUT_A, "greedy"))
     assert "\n" not in str(e.value)
+
+
+def test_a_blank_answer_is_not_written_as_either_side_of_a_pair(tmp_path):
+    # a model that answered only whitespace: the judge preferred the other, but train.py would drop the pair
+    # (empty rejected), so it is counted here instead of written
+    records = page(out_a=[Answer("\n\n", True), *OUT_A[1:]])
+    judged = read_judgments([export(tmp_path, "alice", {1: B, 2: A}, records)], records)
+    pairs, counts = preference_pairs(judged)
+    assert counts["empty_answer"] == 1 and counts["pairs"] == 1
+    assert pairs[0]["chosen"] == [{"role": "assistant", "content": "Red."}]
