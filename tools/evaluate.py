@@ -186,7 +186,7 @@ def summarise_judgments(args, stem: Path) -> None:
     records = sample_records.read_records(f"{stem}.jsonl")
     judged = judgments.read_judgments(args.judgments, records)
     summary = judgments.summarise(judged)
-    print(judgments.summary_text(summary))
+    print(judgments.summary_text(summary), flush=True)
     atomic.write_text(Path(f"{stem}.judgments.json"), json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     page.write_page(Path(f"{stem}.html"), records, " vs ".join(summary["models"]), judging=True, summary=summary)
     print(f"judgments: {stem}.judgments.json, and the summary on {stem}.html", file=sys.stderr)

@@ -241,7 +241,9 @@ class TokenizePairs:
     As TRL: a conversation's prompt is the chat template with the generation prompt and each answer is what the
     template adds after it for prompt+answer, end of turn included; text answers get EOS appended if missing;
     the prompt is where the tokens of prompt and prompt+answer part, so prompt+answer is exactly what the
-    tokenizer gives for the whole text. With `max_length` each prompt+answer keeps its first max_length tokens
+    tokenizer gives for the whole text; where BPE merges the prompt's last characters with an answer's first
+    (TRL warns and trains on a mismatched split), each answer is tokenised on its own, as generation writes it.
+    With `max_length` each prompt+answer keeps its first max_length tokens
     (TRL's collator does this per sequence), and a prompt that alone fills max_length drops the pair."""
 
     def __init__(self, tok, fmt: str, max_length: int | None, truncation_mode: str = "keep_start", name: str = ""):
@@ -272,7 +274,7 @@ class TokenizePairs:
                 ids[n] = [self.no_double_bos(x) if special else x for x in enc[3 * j : 3 * j + 3]]
         out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": []}
         for n, pair in enumerate(pairs):
-            prompt, chosen, rejected, drop = self.split(pair, ids.get(n), indices[n] + 1)
+            prompt, chosen, rejected, drop = self.split(pair, ids.get(n), indices[n] + 1, texts.get(n))
             for key, value in zip(out, (prompt, chosen, rejected)):
                 out[key].append(np.asarray(value, dtype=np.int32))
             out["drop"].append(drop)
@@ -313,12 +315,19 @@ class TokenizePairs:
         bos = self.tok.bos_token_id
         return ids[1:] if self.adds_bos and ids[:2] == [bos, bos] else ids
 
-    def split(self, pair: dict, ids, index: int) -> tuple[list, list, list, str]:
+    def split(self, pair: dict, ids, index: int, texts=None) -> tuple[list, list, list, str]:
         why = self.empty_reason(pair)
         if why:
             return [], [], [], why
         p, pc, pr = ids
         at = min(common_prefix(p, pc), common_prefix(p, pr))
+        if at < len(p) and not isinstance(pair["prompt"], str) and all(t.startswith(texts[0]) for t in texts[1:]):
+            # The text is a growing prefix but BPE merged the generation prompt's last characters with the answer's
+            # first (the embedded tokenizer writes "\n4" for a newline before a digit). TRL trains on those merged
+            # tokens, which generation never produces: it writes the answer after the prompt's own tokens. So the
+            # answers are tokenised on their own, as a model generating from this prompt writes them.
+            pc, pr = (p + self.tok(t[len(texts[0]) :], add_special_tokens=False)["input_ids"] for t in texts[1:])
+            at = len(p)
         if at < len(p) and not isinstance(pair["prompt"], str):
             raise ConfigError(
                 f"example {index}: the chat template renders the prompt alone (with the generation prompt) as "

@@ -222,6 +222,22 @@ def test_each_refusal_is_one_line_naming_the_example_and_the_fix(chatml):
         TokenizePairs(chatml, "explicit", 512, "keep_end")
 
 
+def test_an_answer_bpe_merges_into_the_prompts_end_is_tokenised_as_generation_writes_it(chatml):
+    """The embedded tokenizer writes newlines in a row as one token, so "assistant\\n" + "\\n\\n>>>" is not the
+    prompt's tokens plus more: a model's own answer (judged pairs, tools/evaluate.py --preferences_out) hits this.
+    The prompt keeps its tokens and each answer is its own text tokenised, as the model generated it."""
+    prompt = [msg(U, "What is 25 plus 19?")]
+    pair = {"prompt": prompt, "chosen": [msg(A, "46")], "rejected": [msg(A, "\n\n>>> c.0")]}
+    rendered = chatml.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    p_ids = chatml(rendered, add_special_tokens=False)["input_ids"]
+    whole = chatml(rendered + "\n\n>>> c.0<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert whole[: len(p_ids)] != p_ids  # the merge this test is about
+    cols = TokenizePairs(chatml, "explicit", None).tokenize([pair], [0])
+    assert cols["drop"] == [""] and cols["prompt_ids"][0].tolist() == p_ids
+    for key, text in (("chosen_ids", "46<|im_end|>\n"), ("rejected_ids", "\n\n>>> c.0<|im_end|>\n")):
+        assert cols[key][0].tolist() == chatml(text, add_special_tokens=False)["input_ids"]
+
+
 def test_empty_answers_are_dropped_and_named_and_a_batch_of_drops_still_writes(chatml):
     rows = [{"prompt": "Hi", "chosen": "", "rejected": "No"}, {"prompt": " ", "chosen": "a", "rejected": "b"}]
     out = ours(chatml, rows)
