@@ -1,7 +1,7 @@
 """Screenshot an HTML page (the side-by-side samples page, say) with headless Chromium, to look at a page
 without a desktop or to commit a picture of it.
 
-    python tools/screenshot_page.py outputs/eval/samples.html docs/evaluation-page.png        # 1400 px wide
+    python tools/screenshot_page.py eval/tiny-sft/samples.html page.png                     # 1400 px wide
     python tools/screenshot_page.py page.html out.png --width 1000 --height 800               # a fixed window
     python tools/screenshot_page.py page.html --dump-dom                                     # the DOM as rendered
 
