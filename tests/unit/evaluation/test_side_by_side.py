@@ -332,6 +332,8 @@ def test_two_columns_make_a_blind_judging_page(tmp_path):
         lefts.append(left)
     assert 0 < lefts.count("outputs/tiny-sft") < 12
     assert "<th>Answer A</th><th>Answer B</th><th>Your judgment</th>" in text
+    # one file that works from file:// with no network: nothing linked or fetched, its script inline
+    assert "http" not in text and "src=" not in text and "<link" not in text and "localStorage" in text
     # the names sit in elements shown only once revealed: the legend and each answer's tag
     assert "<div class=names><table class=legend><tr><th>outputs/tiny-sft</th>" in text
     assert ".names{display:none}.revealed .names{display:block}.who{display:none}" in text
