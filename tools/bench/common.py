@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -118,8 +120,6 @@ def new_report(**fields) -> dict:
 def write_report(out_dir: str, name: str, result: dict, markdown: str, say: bool = True) -> Path:
     """out_dir/name.json and out_dir/name.md, each written whole under a temporary name and renamed in (a report
     rewritten as a run goes is never seen half-written, even by a kill); returns the .md path."""
-    import json
-
     from zero_recipes.checkpointing.atomic import write_text
 
     out = Path(out_dir).resolve()
@@ -140,6 +140,43 @@ def footer(r: dict) -> list[str]:
         + ".",
         "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
     ]
+
+
+def embedded_tokenizer_dir() -> Path:
+    """The embedded byte-level BPE (zero_recipes.data.builtin) in train.py's own cache (ZERO_RECIPES_CACHE, or
+    ~/.cache/zero-recipes): built there once, as train.py builds it, and read back by every later benchmark and run,
+    not parsed out of the standard library and retrained in a fresh directory each time (about 4 s)."""
+    from zero_recipes import data
+    from zero_recipes.config.train_config import TrainConfig
+
+    return data.builtin_tokenizer_dir(TrainConfig())
+
+
+def embedded_words(documents: int = 2000) -> list[str]:
+    """The plain words (letters only, under 12) of the embedded corpus's first `documents` documents, sorted: what
+    the SFT and DPO benchmarks write their conversations with. Read from train.py's cached corpus file, which holds
+    zero_recipes.data.builtin.stdlib_docstrings() in its order, instead of parsing the standard library again."""
+    from zero_recipes import data
+    from zero_recipes.config.train_config import TrainConfig
+
+    with data.builtin_corpus_file(TrainConfig()).open() as f:
+        texts = [json.loads(line)["text"] for line, _ in zip(f, range(documents))]
+    return sorted({w for d in texts for w in d.split() if w.isalpha() and len(w) < 12})
+
+
+def seed_cache(cache: Path) -> Path:
+    """A fresh ZERO_RECIPES_CACHE given the embedded corpus file and tokenizer (copied from train.py's own cache,
+    embedded_tokenizer_dir), so a cold launch that uses it pays for its data and nothing else; returns `cache`."""
+    from zero_recipes import data
+    from zero_recipes.config.train_config import TrainConfig
+    from zero_recipes.data.cache import cache_root
+
+    tok, root = embedded_tokenizer_dir(), cache_root(TrainConfig())
+    corpus = data.builtin_corpus_file(TrainConfig())
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(corpus, cache / corpus.relative_to(root))
+    shutil.copytree(tok, cache / tok.relative_to(root), dirs_exist_ok=True)
+    return cache
 
 
 def spread(values: list[float]) -> dict:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 from bench.gpu.benchmark import PARTS
-from bench.gpu.parts import CONFIGS, FULL, LLAMA_1B, predicted, train_flags
 from helpers import REPO
 
 # What the GPU script does not run: the data cleaning's (ftfy, datatrove), the evaluation's, the trackers', the
@@ -66,13 +65,11 @@ def benchmark(env: dict, *args, timeout: int):
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_gpu_benchmark_refuses_a_machine_without_cuda_and_its_1b_estimate_fits_an_h200(tmp_path):
+def test_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line(tmp_path):
+    """(The 1B estimate it would launch is checked in-process: tests/unit/tools/test_benchmark_gpu_plan.py.)"""
     proc = benchmark(without_absent(tmp_path), "gpu", "--out-dir", "/nonexistent", timeout=120)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "no CUDA GPU" in errors[0], proc.stderr[-2000:]
-    # the CPU accelerator's one pool counts what a GPU run keeps on the host too: more than the GPU's share
-    est = predicted(train_flags(FULL, CONFIGS["zero2"], LLAMA_1B, FULL["block"], FULL["micro"]))
-    assert 2.5e9 < est["estimate_bytes"] < 139 * 2**30
 
 
 def test_gpu_benchmark_quick_runs_every_part_on_the_cpu(tmp_path):

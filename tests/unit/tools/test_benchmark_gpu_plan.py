@@ -61,6 +61,14 @@ def test_train_py_plans_every_gpu_launch_and_its_estimate_fits_an_h200(name, mod
         assert 1e9 < gpu_parts.predicted(argv)["estimate_bytes"] < 139 * 2**30, (name, config)
 
 
+def test_the_1b_zero2_estimate_without_cuda_counts_the_hosts_share_too():
+    """The CPU accelerator's one pool counts what a GPU run keeps on the host too: more than the GPU's share, and
+    still within an H200."""
+    full = gpu_parts.FULL
+    argv = gpu_parts.train_flags(full, gpu_parts.CONFIGS["zero2"], gpu_parts.LLAMA_1B, full["block"], full["micro"])
+    assert 2.5e9 < gpu_parts.predicted(argv)["estimate_bytes"] < 139 * 2**30
+
+
 def test_the_moe_benchmarks_gpu_commands_are_plannable():
     for line in moe.gpu_commands(moe.SIZES["gpu"]):
         argv = shlex.split(line)

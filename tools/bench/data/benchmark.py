@@ -18,7 +18,7 @@ import time
 from itertools import chain
 from pathlib import Path
 
-from ..common import REPO, environment, free_port, quiet, run_checked, write_report
+from ..common import REPO, environment, free_port, quiet, run_checked, seed_cache, write_report
 from .report import BLOCK, markdown
 
 BENCHMARK_PY = REPO / "tools" / "benchmark.py"
@@ -206,11 +206,7 @@ def first_step(tmp: Path, corpus: str, timeout: int) -> dict:
     second should only memory-map them."""
     env = {**os.environ, "ZERO_RECIPES_CACHE": str(tmp / "zr-cache"), "HF_DATASETS_CACHE": str(tmp / "hf-cache")}
     env.pop("OMP_NUM_THREADS", None)
-    # The embedded tokenizer is built beforehand, so the cold launch pays for the data and nothing else
-    from zero_recipes import data
-    from zero_recipes.config.train_config import TrainConfig
-
-    data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(tmp / "zr-cache")))
+    seed_cache(tmp / "zr-cache")  # the embedded tokenizer is there beforehand: the cold launch pays for the data alone
     times = {}
     for name, run in (("cold", "run1"), ("cached", "run2")):
         cmd = train_command(corpus, tmp / run, free_port())

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .. import paired
-from ..common import REPO, free_port, new_report, run_checked, write_report
+from ..common import REPO, embedded_tokenizer_dir, free_port, new_report, run_checked, write_report
 from . import data, report
 
 # pairs: the epoch; micro: pairs per rank and step; block: train.py's row (prompt + both answers); max_length:
@@ -55,7 +55,7 @@ def make_work(tmp: Path, s: dict) -> dict:
     from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import formats
 
-    tok_dir = zr_data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(tmp / "tokenizer-cache")))
+    tok_dir = embedded_tokenizer_dir()
     tok = zr_data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(tok_dir)))
     formats.ensure_chat_template(tok, lambda *a: None)
     words, per_word = data.words_and_rate(tok)

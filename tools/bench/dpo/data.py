@@ -23,10 +23,11 @@ MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8, "
 
 
 def words_and_rate(tok) -> tuple[list[str], float]:
-    """Plain words of the stdlib docstrings, and the tokenizer's tokens per word over them."""
-    from zero_recipes.data.builtin import stdlib_docstrings
+    """Plain words of the stdlib docstrings (the embedded corpus's first 2,000), and the tokenizer's tokens per word
+    over them."""
+    from ..common import embedded_words
 
-    words = sorted({w for d in stdlib_docstrings()[:2000] for w in d.split() if w.isalpha() and len(w) < 12})
+    words = embedded_words()
     per_word = len(tok(" ".join(words[:500]), add_special_tokens=False)["input_ids"]) / 500
     return words, per_word
 

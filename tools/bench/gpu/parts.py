@@ -22,7 +22,7 @@ from pathlib import Path
 from zero_recipes.config.shipped import PRECISIONS, select
 
 from .. import paired
-from ..common import REPO, free_port, run_checked
+from ..common import REPO, embedded_tokenizer_dir, free_port, run_checked
 from ..lora.benchmark import VARIANTS as LORA_VARIANTS
 from ..moe import benchmark as moe
 from ..parallel.benchmark import model_fields
@@ -248,7 +248,7 @@ def dpo_8b(s: dict, tmp: Path, timeout: int) -> dict:
     work = tmp / "dpo"
     work.mkdir()
     try:
-        tok_dir = zr_data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(work / "tokenizer-cache")))
+        tok_dir = embedded_tokenizer_dir()
         tok = zr_data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(tok_dir)))
         formats.ensure_chat_template(tok, lambda *a: None)
         words, per_word = dpo_data.words_and_rate(tok)

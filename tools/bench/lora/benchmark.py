@@ -2,8 +2,8 @@
 on disk and time to save, each as a LoRA / full ratio.
 
 Every run is train.py through the real `deepspeed` launcher with 2 ranks, on the model, data, batch and
-DeepSpeed config of the `train` benchmark's 100M size (tools/bench/speed/benchmark.py), fine-tuning a base that
-train.py itself wrote (one step from the seeded init, exported as an HF directory). The variants differ only
+DeepSpeed config of the `train` benchmark's 100M size (tools/bench/speed/benchmark.py), fine-tuning the same base:
+train.py's seeded init of that model, saved as an HF directory (make_base). The variants differ only
 in `--lora_r 16 --lora_target_modules all-linear`. Per precision:
 
 - timed rounds, runners alternating (full, LoRA, then LoRA, full, ...) so drift in machine load hits both:
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..common import REPO, footer, free_port, new_report, run_checked, spread, write_report
+from ..common import REPO, embedded_tokenizer_dir, footer, free_port, new_report, run_checked, spread, write_report
 from ..speed.benchmark import QUICK as SPEED_QUICK, SIZES as SPEED_SIZES, flags as speed_flags
 
 VARIANTS = {"full": [], "lora": ["--lora_r", "16", "--lora_target_modules", "all-linear"]}
@@ -64,19 +64,17 @@ def run_flags(size, precision: str, base: Path, variant: str) -> list[str]:
 
 
 def make_base(size, tmp: Path) -> Path:
-    """The pretrained base: train.py, one step from the seeded init of the size's model, exported as an HF
-    model directory with the embedded tokenizer (its checkpoint removed: the fine-tunes load the export)."""
-    out = tmp / "base"
-    model, *rest = size
-    cmd = (
-        launcher()
-        + ["train.py"]
-        + speed_flags((model, rest[0], rest[1], 1, 1))
-        + ["--eval_steps", "0", "--max_eval_batches", "1", "--report_to", "none", "--output_dir", str(out)]
-    )
-    run_checked(cmd, None, 3600, f"making the base: {' '.join(cmd)}")
-    shutil.rmtree(out / "checkpoints")
-    return out
+    """The pretrained base: train.py's seeded init of the size's model (zero_recipes.modeling.model.build_model,
+    bench/dpo/data.base_model), saved as an HF model directory with the embedded tokenizer. Made in this process:
+    a train.py launch for it (one step, then its export) cost a 2-rank start-up, about 15 s on 2 cores, for the
+    same shapes."""
+    from zero_recipes import data
+    from zero_recipes.config.train_config import TrainConfig
+
+    from ..dpo.data import base_model
+
+    tok = data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(embedded_tokenizer_dir())))
+    return base_model(tmp / "base", tok, size[0] or {})
 
 
 def checkpoint_files(step_dir: Path) -> dict:
@@ -258,7 +256,7 @@ def markdown(r: dict) -> str:
         f"- Model: {s['model']}; {s['ranks']} ranks x 1 thread, ds_configs/zero2.json (+ the precision's fragment), "
         f"micro-batch {s['micro_batch']} x {s['block_size']} tokens (global batch {s['global_batch']} sequences), "
         f"{s['steps']} steps logged in windows of {s['window_steps']}; the embedded corpus; the same flags for both "
-        "variants but the LoRA ones. The base: train.py's export after one step from the seeded init.",
+        "variants but the LoRA ones. The base: train.py's seeded init of the model, saved as an HF directory.",
         f"- LoRA, as train.py logs it: `{s['lora_line']}`.",
         (
             f"- {s['rounds']} timed round(s) per precision, alternating the order (full, LoRA / LoRA, full)."

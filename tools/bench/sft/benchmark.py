@@ -22,19 +22,34 @@ import tempfile
 from pathlib import Path
 
 from .. import paired
-from ..common import REPO, footer, free_port, new_report, run_checked, write_report, yes
+from ..common import (
+    REPO,
+    embedded_tokenizer_dir,
+    embedded_words,
+    footer,
+    free_port,
+    new_report,
+    run_checked,
+    seed_cache,
+    write_report,
+    yes,
+)
 from . import packed_rows, startup as sft_startup
 from .data import as_prompt_completion, padding_share, skewed_chats, write_jsonl
 
 # conversations: train set; eval: held out; block: row length (max_length); micro: rows per rank and step; rounds;
 # windows per run after warmup steps; text_steps: the text run's length (about the packed SFT epoch); longest: the
 # longest conversation's target length, under the block with room for the chat template; startup_pairs: cached
-# launches of train.py and TRL, each stopped at its first step, beyond the breakdown's one pair.
+# launches of train.py and TRL, each stopped at its first step, beyond the breakdown's one pair; attention_steps:
+# timed steps of each packed-row attention variant (bench/sft/packed_rows.py; default 5).
 FULL = dict(
     conversations=1000, eval=100, block=2048, micro=2, rounds=4, windows=6, warmup=3, text_steps=37, longest=1950,
     startup_pairs=9,
 )  # fmt: skip
-QUICK = dict(conversations=120, eval=8, block=512, micro=2, rounds=1, windows=2, warmup=1, text_steps=12, longest=460)
+QUICK = dict(
+    conversations=120, eval=8, block=512, micro=2, rounds=1, windows=2, warmup=1, text_steps=12, longest=460,
+    attention_steps=1,
+)  # fmt: skip
 RUNNERS = {
     "train.py": ["--module", "bench.sft.train_run"],
     "TRL SFTTrainer": ["--module", "bench.sft.peer_run", "--peer", "trl"],
@@ -45,16 +60,15 @@ GOALS = {"vs_trl": 1.0, "vs_hf": 1.2, "sft_vs_text": 0.9, "first_step_vs_trl": 0
 
 
 def make_work(tmp: Path, s: dict) -> dict:
-    """The tokenizer (built once, saved where every runner loads it) and the conversations, in `messages`
-    form and in TRL's prompt-completion form."""
+    """The tokenizer (the embedded one in train.py's cache, where every runner loads it) and the conversations,
+    in `messages` form and in TRL's prompt-completion form."""
     from zero_recipes import data
     from zero_recipes.config.train_config import TrainConfig
     from zero_recipes.data import formats
-    from zero_recipes.data.builtin import stdlib_docstrings
 
-    tok_dir = data.builtin_tokenizer_dir(TrainConfig(cache_dir=str(tmp / "tokenizer-cache")))
+    tok_dir = embedded_tokenizer_dir()
     tok = data.load_tokenizer(TrainConfig(tokenizer_name_or_path=str(tok_dir)))
-    words = sorted({w for d in stdlib_docstrings()[:2000] for w in d.split() if w.isalpha() and len(w) < 12})
+    words = embedded_words()
     per_word = len(tok(" ".join(words[:500]), add_special_tokens=False)["input_ids"]) / 500
     train = skewed_chats(s["conversations"], words, per_word, seed=0, high=s["longest"])
     held_out = skewed_chats(s["eval"], words, per_word, seed=1, high=s["longest"])
@@ -121,6 +135,11 @@ def cache_name(runner: str) -> str:
 
 
 def runner_env(cache: Path) -> dict:
+    """A runner's environment with its own data caches under `cache`. The embedded corpus is in them from the start
+    (seed_cache), as the conversations' files are for the SFT runners: a cold start prepares its data, and the
+    text runner's parses no standard library."""
+    if not (cache / "zr").exists():
+        seed_cache(cache / "zr")
     env = {**os.environ, "ZERO_RECIPES_CACHE": str(cache / "zr"), "HF_DATASETS_CACHE": str(cache / "hf")}
     env.pop("OMP_NUM_THREADS", None)
     return env
@@ -173,7 +192,7 @@ def summarise_run(starts: list[float], tokens: list[list[int]], ranks: list[dict
 
 def measure(s: dict, tmp: Path) -> dict:
     work = make_work(tmp, s)
-    work["attention"] = packed_rows.measure(s["block"], s["longest"])
+    work["attention"] = packed_rows.measure(s["block"], s["longest"], s.get("attention_steps", 5))
     print(f"  one packed step, text / block mask / per example: {attention_line(work['attention'])}", flush=True)
     rounds = []
     for r, order in enumerate(paired.rotations(list(RUNNERS), s["rounds"])):

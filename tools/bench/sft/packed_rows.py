@@ -5,7 +5,8 @@ packed with the benchmark's conversation lengths, three ways, in this process (1
 - per example: zero_recipes/modeling/packed_attention.py, one causal sdpa call per example (what train.py runs), on the
   batch as train.py's collator builds it (data/packing.py `collate`: position ids and the cut points between
   examples, so no layer derives them from the position ids).
-The median of 5 timed steps each, and the share of the masked step spent in attention (torch.profiler).
+The median of 5 timed steps each (after one untimed; `steps`), and the share of the masked step spent in attention
+(torch.profiler).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def rows(block: int, high: int) -> list[list[int]]:
     raise RuntimeError("not enough lengths for two rows")
 
 
-def measure(block: int, high: int) -> dict:
+def measure(block: int, high: int, steps: int = 5) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -65,7 +66,7 @@ def measure(block: int, high: int) -> dict:
 
     def timed(**kw) -> float:
         step(**kw)
-        return statistics.median(step(**kw) for _ in range(5))
+        return statistics.median(step(**kw) for _ in range(steps))
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     out = {"examples_per_row": [len(r) for r in lengths], "text": timed(), "block_mask": timed(position_ids=pos)}
