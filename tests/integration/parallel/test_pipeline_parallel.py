@@ -152,6 +152,11 @@ def test_the_export_holds_the_model_once_on_rank_0_and_no_copy_on_the_other_rank
     the 70B pp8 x dp4 recipe."""
     writer, *others = export_memory.read(mode_run(BY_NAME["pp2xdp2-zero1"]).check().output_dir, 4)
     model = writer["written"]
-    assert writer["held"] == model and all(r["held"] == r["written"] == 0 for r in others), (writer, others)
+    # within 64 KiB, as the peak: one CI run saw rank 0 hold 20 bytes less than it wrote (a 5-float tensor's
+    # allocation not among the profiler's events), which says nothing about copies of the model
+    assert abs(writer["held"] - model) <= 64 * 1024 and all(r["held"] == r["written"] == 0 for r in others), (
+        writer,
+        others,
+    )
     assert writer["peak"] <= model * 1.01 + 64 * 1024, (writer, model)  # each received tensor is the one kept
     assert all(r["peak"] <= 64 * 1024 for r in others), others  # names and shapes; no copy of a weight
