@@ -191,10 +191,12 @@ def summarise_judgments(args, stem: Path) -> None:
     page.write_page(Path(f"{stem}.html"), records, " vs ".join(summary["models"]), judging=True, summary=summary)
     print(f"judgments: {stem}.judgments.json, and the summary on {stem}.html", file=sys.stderr)
     if args.preferences_out:
-        write_pairs(judgments, judged, args.preferences_out, args.keep_truncated)
+        write_pairs(judged, args.preferences_out, args.keep_truncated)
 
 
-def write_pairs(judgments, judged, out: Path, keep_truncated: bool) -> None:
+def write_pairs(judged, out: Path, keep_truncated: bool) -> None:
+    from zero_recipes.evaluation import judgments
+
     pairs, counts = judgments.preference_pairs(judged, keep_truncated)
     left = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts.items() if why != "pairs" and n)
     if not pairs:

@@ -31,8 +31,8 @@ def write_page(html_path, records: list[dict], title: str, judging: bool = False
     rows, columns = rows_of(records)
     with_ref = any(row["reference"] is not None for row in rows)
     judging = judging and len(columns) == 2
-    e = html.escape
-    legend = f"<table class=legend>{_legend(rows, columns, with_ref)}</table>"
+    e, counts = html.escape, _exact_counts(rows, columns)
+    legend = f"<table class=legend>{_legend(columns, counts, with_ref)}</table>"
     what = f"{len(rows)} prompts, {len(columns)} column{'s' * (len(columns) != 1)}"
     what += "; ✓ marks an answer equal to the reference (surrounding whitespace ignored)" if with_ref else ""
     if judging:
@@ -52,7 +52,7 @@ def write_page(html_path, records: list[dict], title: str, judging: bool = False
             f"<script>{Path(__file__).with_name('judge_page.js').read_text(encoding='utf-8')}</script>"
         )
     else:
-        table, header, script = _reading_table(rows, columns, with_ref), legend, ""
+        table, header, script = _reading_table(rows, columns, counts, with_ref), legend, ""
     write_text(
         Path(html_path),
         f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>"
@@ -74,8 +74,8 @@ def _exact_counts(rows, columns) -> dict[str, tuple[int, int]]:
     return counts
 
 
-def _legend(rows, columns, with_ref: bool) -> str:
-    counts, e = _exact_counts(rows, columns), html.escape
+def _legend(columns, counts, with_ref: bool) -> str:
+    e = html.escape
     return "".join(
         f"<tr><th>{e(label)}</th><td>{e(how)}</td>"
         + (f"<td>{counts[label][0]} / {counts[label][1]} exact</td>" if with_ref else "")
@@ -91,8 +91,8 @@ def _colgroup(n_answers: int, with_ref: bool, judge_col: bool) -> str:
     return f"<colgroup>{cols}{'<col style=width:12%>' if judge_col else ''}</colgroup>"
 
 
-def _reading_table(rows, columns, with_ref: bool) -> str:
-    e, counts = html.escape, _exact_counts(rows, columns)
+def _reading_table(rows, columns, counts, with_ref: bool) -> str:
+    e = html.escape
     head = "<th class=n>#</th><th>Prompt</th>" + ("<th>Reference</th>" if with_ref else "")
     for label in columns:
         hit, of = counts[label]
@@ -115,11 +115,11 @@ def _reading_table(rows, columns, with_ref: bool) -> str:
 def _judging_table(rows, orders, with_ref: bool) -> str:
     head = "<th class=n>#</th><th>Prompt</th>" + ("<th>Reference</th>" if with_ref else "")
     head += "<th>Answer A</th><th>Answer B</th><th>Your judgment</th>"
+    buttons = "".join(
+        f"<button type=button data-choice={c}>{name} <kbd>{key}</kbd></button>" for c, name, key in CHOICES
+    )
     body = ""
     for i, (row, (left, right)) in enumerate(zip(rows, orders), 1):
-        buttons = "".join(
-            f"<button type=button data-choice={c}>{name} <kbd>{key}</kbd></button>" for c, name, key in CHOICES
-        )
         cells = _prompt_cells(i, row, with_ref) + _answer_cell(row, left, "A") + _answer_cell(row, right, "B")
         body += f"<tr data-row={i}>{cells}<td class=judge>{buttons}</td></tr>"
     return (
