@@ -174,6 +174,11 @@ def test_the_expert_parallel_export_leaves_the_experts_on_rank_0_alone(mode_run)
     peaked at 835,584 bytes, 1.4x all the experts; for Qwen3-30B-A3B that was about 57 GB on every rank."""
     writer, sender = export_memory.read(mode_run(BY_NAME["moe-zero2+ep2"]).check().output_dir, 2)
     layer = 3 * MIXTRAL["num_local_experts"] * MIXTRAL["intermediate_size"] * MIXTRAL["hidden_size"] * 4  # fp32
-    assert writer["held"] == writer["written"] and sender["held"] == sender["written"] == 0, (writer, sender)
+    # rank 0 may still count the last gather's receive buffers (one weight: 2 blocks of 2 experts): gloo's worker
+    # thread drops its reference to them when it gets to it, once after the profile ended in CI. A kept copy of
+    # any layer's experts is 3x that, or 2 layers' worth
+    late_free = layer // 3
+    assert 0 <= writer["held"] - writer["written"] <= late_free, (writer, late_free)
+    assert sender["held"] == sender["written"] == 0, sender
     assert sender["peak"] <= layer // 16, (sender, layer)  # no copy of its experts, let alone everyone's
     assert writer["peak"] <= writer["written"] + 2 * layer, (writer, layer)
