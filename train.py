@@ -44,7 +44,7 @@ from zero_recipes.modeling import lm_loss, model as modeling, moe, packed_attent
 from zero_recipes.parallel.mesh import picture as mesh_picture
 from zero_recipes.plan import RunPlan
 from zero_recipes.training import flops, loop, metrics_log
-from zero_recipes.training.engine import make_engine
+from zero_recipes.training.engine import make_engine, muon_split
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -216,6 +216,8 @@ def build_model(plan: RunPlan, rank: int, log):
 def start_engine(plan: RunPlan, model, ds: dict, log):
     """`deepspeed.initialize` with the run's axes as its mpu; compiled when asked."""
     engine = make_engine(plan.cfg, model, ds, plan.total_steps, plan.parallelism.mpu())
+    if split := muon_split(engine):
+        log(split)
     if plan.cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
         engine.compile()
         log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")

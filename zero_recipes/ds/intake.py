@@ -221,6 +221,44 @@ def _resolve_optimizer(ds: dict, r: Resolver) -> None:
         b = p["betas"]
         for i, name in enumerate(("adam_beta1", "adam_beta2")):
             r.match({"b": b[i]}, "b", getattr(r.cfg, name), name, f"optimizer.params.betas[{i}]")
+    if str(opt.get("type", "")).lower() == "muon":
+        r.notes += _resolve_muon(ds, p, r.cfg.learning_rate)
+
+
+def _resolve_muon(ds: dict, p: dict, learning_rate: float) -> list[str]:
+    """DeepSpeed's Muon (ds_configs/muon.json): 2-D non-embedding parameters take Muon, the rest AdamW. `adam_lr`
+    and `muon_lr` "auto" are the recipe's learning_rate, as `lr` is (DeepSpeed's own value for an absent key);
+    muon.json sets `muon_lr` itself (docs: Muon's usual rate is about 0.02). Clipping at ZeRO-1/2/3 is refused:
+    DeepSpeed clips the orthogonalized update there (docs/dev/deepspeed-bugs.md#muon). ZeRO-3 refuses Muon with
+    `reduce_scatter` on (stage3.py: "Muon and reduce scatter cannot be used together"), which defaults to true:
+    left unset it is set false with a note; set true, the config is refused in one line naming the fix."""
+    for key in ("adam_lr", "muon_lr"):
+        if p.get(key) == AUTO:
+            p[key] = learning_rate
+    stage, clipping = zero_stage(ds), ds.get("gradient_clipping") or 0
+    if stage and clipping:
+        raise ConfigError(
+            f"gradient_clipping {clipping:g} with the Muon optimizer at ZeRO-{stage}: DeepSpeed 0.19.8 clips Muon's "
+            "orthogonalized updates instead of the gradients (deepspeed#8439), dividing every Muon step by the norm of "
+            "all of them; set gradient_clipping 0 (--max_grad_norm 0), as ds_configs/muon.json does"
+        )
+    if stage != 3:
+        return []
+    z = ds["zero_optimization"]
+    given = z.get("reduce_scatter", AUTO)
+    if given not in (AUTO, False):
+        raise ConfigError(
+            f"zero_optimization.reduce_scatter={given!r} with the Muon optimizer at ZeRO-3: DeepSpeed refuses the "
+            'pair ("Muon and reduce scatter cannot be used together"); set "reduce_scatter": false, or leave it '
+            "out and train.py sets it"
+        )
+    z["reduce_scatter"] = False
+    if given == AUTO:
+        return [
+            "zero_optimization.reduce_scatter=false: DeepSpeed's ZeRO-3 runs Muon only without reduce-scatter "
+            "(each gradient bucket is all-reduced, and each Muon matrix gathered whole once a step)"
+        ]
+    return []
 
 
 # zero_optimization keys whose "auto" is sized from the model's hidden size h, as the HF Trainer does.

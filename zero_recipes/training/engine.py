@@ -134,4 +134,81 @@ def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
         config=ds,
         mpu=mpu,
     )
+    report_gradient_norm_under_muon(engine)
     return engine
+
+
+def muon_split(engine) -> str:
+    """The log's line for a Muon run (empty otherwise): how many tensors DeepSpeed tagged `use_muon`, which under
+    ZeRO-3 it reads from the layer shape `zero.Init` records (deepspeed#8438 tagged none there)."""
+    if engine.optimizer_name() != "muon":
+        return ""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    muon = sum(bool(getattr(p, "use_muon", False)) for p in params)
+    return f"muon: {muon} of {len(params)} tensors (the 2-D non-embedding ones) take Muon, the rest AdamW"
+
+
+def report_gradient_norm_under_muon(engine) -> None:
+    """DeepSpeed 0.19.8's ZeRO-1/2/3 take the norm they report (and clip by) over Muon's orthogonalized updates,
+    not over the gradients (deepspeed#8439; docs/dev/deepspeed-bugs.md#muon): 61 where the gradient's is 2 on the
+    quick start's model. The intake refuses clipping with Muon at ZeRO-1/2/3, so only the reported norm is left
+    wrong: here each Muon group's norm is taken over its gradient, as ZeRO-0 and every other optimizer's are, just
+    before DeepSpeed replaces the gradient with the update. Without optimizer offload; with it the norm stays
+    DeepSpeed's."""
+    opt = engine.optimizer
+    if engine.optimizer_name() != "muon" or engine.zero_optimization_stage() == 0 or engine.zero_cpu_offload():
+        return
+    if engine.zero_optimization_stage() == 3:
+        _stage3_raw_norm(opt)
+    else:
+        _stage12_raw_norm(opt)
+
+
+def _stage3_raw_norm(opt) -> None:
+    """ZeRO-3 runs Muon at the step, on the accumulated partitions (deepspeed#8443's fix): their norms first."""
+    apply_muon, norm_groups, raw = opt._apply_muon_to_accumulated_grads, opt._get_norm_groups, []
+
+    def apply_muon_after_the_norm():
+        raw.append(norm_groups())
+        apply_muon()
+
+    opt._apply_muon_to_accumulated_grads = apply_muon_after_the_norm
+    opt._get_norm_groups = lambda: raw.pop() if raw else norm_groups()
+
+
+def _stage12_raw_norm(opt) -> None:
+    """ZeRO-1/2 run Muon as they flatten a group's partition at the end of the step's backward
+    (get_flat_partition): the partition's raw slices, DeepSpeed's own, are measured first."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    flat_partition, norm_direct, squares = opt.get_flat_partition, opt.get_grad_norm_direct, {}
+
+    def get_flat_partition(tensor_list, *args, param_group_idx, **kwargs):
+        if tensor_list and opt._is_muon_group(tensor_list):
+            for t in tensor_list:
+                t.use_muon = False
+            try:
+                kw = {**kwargs, "param_group_idx": param_group_idx, "return_tensor_list": True}
+                raw = flat_partition(tensor_list, *args, **kw)
+            finally:
+                for t in tensor_list:
+                    t.use_muon = True
+            grads = (g for g in raw if not getattr(g, "_zero_padding", False))
+            squares[param_group_idx] = sum(torch.linalg.vector_norm(g.float()) ** 2 for g, _ in zip(grads, tensor_list))
+        return flat_partition(tensor_list, *args, param_group_idx=param_group_idx, **kwargs)
+
+    def scaled_global_norm(norm_type=2):
+        norms = []
+        for i, group in enumerate(opt.bit16_groups):
+            if group and getattr(group[0], "use_muon", False):
+                total = torch.as_tensor(squares.pop(i, 0.0), dtype=torch.float32).clone()
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+                norms.append(total.sqrt())  # a raw gradient carries the loss scale
+            else:
+                norms.append(norm_direct(opt.averaged_gradients[i], opt.params_in_partition[i]))
+        return combine_grad_norm_groups(norms, norm_type=norm_type)
+
+    opt.get_flat_partition = get_flat_partition
+    opt.scaled_global_norm = scaled_global_norm
