@@ -61,6 +61,7 @@ class Mode:
     baseline: str = "zero0"  # "zero0" (conftest's `trained`) or a key of BASELINES
     says: tuple[str, ...] = ()  # lines in the run's log that make it this mode
     parity: float = PARITY
+    norm_parity: float = NORM_PARITY  # relative, of each step's gradient norm against the baseline's
     resume: str = "step4"  # "kill" | "step4" | "" (see skips)
     export_tol: float = PARITY
     export_tool: str = ""  # "equal" | "refused: <words of its one line>" | "" (see skips)
@@ -355,6 +356,56 @@ def preference_rows() -> list[Mode]:
     ]
 
 
+# ---- precision: bf16 master weights and optimizer states, torch_autocast ------------------------------------
+# The fp32 ZeRO-0 baseline's loss falls by L1 - L8 = 0.859 over the 8 steps (8.3655 -> 7.5060, every step down:
+# the sum of its per-step changes), measured. A bf16 rounding of relative size e in each step's update moves that
+# step's loss change by at most e x it, so after step t the loss is off by at most e x (L1 - Lt), plus the bf16
+# forward's own rounding of the loss (measured at step 1, before any update: 1.7e-4; inside the first term's
+# 2^-8 x 0.042 = 1.6e-4 of step 2, so it is added once).
+BASELINE_DROP, FORWARD_ROUNDING = 0.859, 2e-4
+# torch_autocast: fp32 master weights and moments; only the gradients are bf16-computed, 2^-8 relative at most
+AUTOCAST_PARITY = 2**-8 * BASELINE_DROP + FORWARD_ROUNDING  # 3.6e-3; measured 3.0e-4
+# bf16 master weights and moments: the moments' rounding (2^-9 for m, 2^-10 for sqrt(v): under 2^-8 together) and
+# the new master weight's own rounding to bf16, another 2^-8 of the step: e = 2^-7
+BF16_STATES_PARITY = 2**-7 * BASELINE_DROP + FORWARD_ROUNDING  # 6.9e-3; measured 4.2e-3
+# the gradient norms, relative: bf16's 2^-8 (autocast's gradients; bf16 states' parameters), measured 2.0e-3 and 3.2e-3
+BF16_NORM_PARITY = 2**-8
+# autocast's export is the fp32 model it trains; the engine's logits come from its bf16 autocast forward: 2^-8 of the
+# largest logit (2.2 after 8 steps, measured) for each of the 4 blocks' outputs and the head's = 4.3e-2; measured
+# 1.45e-2 (ZeRO-3) and 8.5e-3 (ZeRO-2 offload). bf16_states exports the bf16 weights the engine computes with: exact.
+AUTOCAST_EXPORT_TOL = 5 * 2**-8 * 2.2
+
+
+def precision_rows() -> list[Mode]:
+    """ds_configs/bf16_states.json (bf16 parameters, bf16 master weights and Adam moments) and autocast.json (fp32
+    parameters and states, bf16 autocast compute) against the fp32 ZeRO-0 run, within the bf16 bounds above:
+    ZeRO-1, 2 and 3 and optimizer offload across the two. What they cost in state bytes, measured in the
+    checkpoints against the estimate: tests/integration/training/test_precision_states.py."""
+    states, autocast = "ds_configs/bf16_states.json", "ds_configs/autocast.json"
+    skips = {
+        "export_tool": "tools/export_hf.py converts the ZeRO checkpoint, whose layout the precision does not change "
+        "(the master partitions are bf16 or fp32 as in the bf16 and fp32 rows)",
+        "layout": "the zero rows' universal conversions: the precision changes the partitions' dtype, not the layout",
+    }
+    bf16 = {"parity": BF16_STATES_PARITY, "norm_parity": BF16_NORM_PARITY, "family": "precision"}
+    amp = {"parity": AUTOCAST_PARITY, "norm_parity": BF16_NORM_PARITY, "export_tol": AUTOCAST_EXPORT_TOL,
+           "family": "precision"}  # fmt: skip
+    # resumed from a copy of the step-4 checkpoint ("kill" is the zero rows' column: the precision changes what is
+    # saved, not when): bit for bit, torch AdamW's bf16 moments, DeepSpeedCPUAdam's and the fp32 ones alike (measured)
+    other = {"resume": "autocast-zero3 resumes autocast's fp32 states; the offload path's, bf16_states-zero3+offload_all",
+             **skips}  # fmt: skip
+    return [
+        Mode("bf16_states-zero1", (*CONFIGS["zero1"], states), skips=skips,
+             says=("precision: bf16 with bf16 master weights and optimizer states",), **bf16),
+        # DeepSpeed builds its DeepSpeedCPUAdam with bf16 moments from the optimizer block the intake adds
+        Mode("bf16_states-zero3+offload_all", (*CONFIGS["zero3+offload_all"], states), skips=skips,
+             says=("optimizer: DeepSpeed builds its DeepSpeedCPUAdam",), **bf16),
+        Mode("autocast-zero2+offload_optimizer", (*CONFIGS["zero2+offload_optimizer"], autocast), resume="",
+             skips=other, says=("precision: bf16 autocast, fp32 parameters and master weights",), **amp),
+        Mode("autocast-zero3", (*CONFIGS["zero3"], autocast), skips=skips, **amp),
+    ]  # fmt: skip
+
+
 MODES: list[Mode] = [
     *zero_rows(),
     *tensor_parallel_rows(),
@@ -363,6 +414,7 @@ MODES: list[Mode] = [
     *expert_rows(),
     *adapter_rows(),
     *preference_rows(),
+    *precision_rows(),
 ]
 BY_NAME = {m.name: m for m in MODES}
 

@@ -61,13 +61,24 @@ from zero_recipes.memory.table import gpu_counts, table
 from zero_recipes.memory.table_text import WIDTH, gb, longest, render
 
 
+def optimizer_states_line(o: dict) -> str:
+    """One rank's master weights and optimizer state: bytes, dtypes and where they live (states.optimizer_states)."""
+    master = f"master weights {gb(o['master_bytes'])} ({o['master_dtype']}) + " if o["master_bytes"] else ""
+    return (
+        f"optimizer states per rank: {master}optimizer {gb(o['optimizer_bytes'])} ({o['moment_dtype']} moments"
+        + (f"; Muon's {o['muon_params']:,} matrix parameters one momentum buffer each" if o.get("muon_params") else "")
+        + f"), on the {o['where']}"
+    )
+
+
 def print_one(e, cfg, args, gpu_memory) -> None:
     from zero_recipes.memory.estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES
 
     g, n = e.per_gpu, e.per_node
     off = ", ".join(f"{k} -> {v}" for k, v in e.offload.items() if v) or "none"
     print(
-        f"model: {e.num_params / 1e9:.3f}B parameters; ZeRO-{e.zero_stage}, {e.precision}, offload {off}; "
+        f"model: {e.num_params / 1e9:.3f}B parameters; ZeRO-{e.zero_stage}, {e.precision_words or e.precision}, "
+        f"offload {off}; "
         f"{args.num_gpus} GPU(s) x {args.num_nodes} node(s); micro-batch {cfg.per_device_train_batch_size} x "
         f"{cfg.block_size} tokens; gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
     )
@@ -95,6 +106,8 @@ def print_one(e, cfg, args, gpu_memory) -> None:
         )
     else:
         print(f"trainable: all {e.num_params:,} parameters (full fine-tuning)")
+    if e.optimizer_states:
+        print(optimizer_states_line(e.optimizer_states))
     for note in e.notes:
         print(f"note: {note}")
     print(f"\n{'phase':18s}{'per GPU':>14s}{'states':>14s}{'buffers':>14s}{'activations':>14s}{'host/rank':>14s}")

@@ -18,6 +18,42 @@ def precision(ds: dict) -> str:
     return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
 
 
+def autocast_dtype(ds: dict) -> Optional[str]:
+    """The dtype DeepSpeed's `torch_autocast` block computes in ('bfloat16' or 'float16'), or None when it is off.
+    A resolved config has it filled (ds/precision_blocks.py)."""
+    block = ds.get("torch_autocast")
+    if not isinstance(block, dict) or block.get("enabled") is not True:
+        return None
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(str(block.get("dtype")), str(block.get("dtype") or "bfloat16"))
+
+
+def state_bytes(ds: dict) -> tuple[int, int]:
+    """(bytes of a master weight and of its gradient partition, bytes of each of Adam's two moments) under ZeRO:
+    (4, 4) unless `bf16.bf16_master_weights_and_grads` makes the masters bf16 (2) and `bf16_optimizer_states`
+    the moments too (DeepSpeed 0.19.8, runtime/base_optimizer.py `_configure_master_weights`)."""
+    bf16 = ds.get("bf16") or {}
+    if not bf16.get("enabled") or zero_stage(ds) == 0:
+        return 4, 4
+    master = 2 if bf16.get("bf16_master_weights_and_grads") is True else 4
+    return master, 2 if master == 2 and bf16.get("bf16_optimizer_states") is True else 4
+
+
+def precision_words(ds: dict) -> str:
+    """The precision in words, as --dry_run and the estimator say it: `precision` where that is the whole story,
+    else what is in which dtype ("bf16 autocast, fp32 master weights", "bf16 with bf16 master weights and optimizer
+    states")."""
+    auto = autocast_dtype(ds)
+    if auto is not None and precision(ds) == "fp32":
+        short = {"bfloat16": "bf16", "float16": "fp16"}.get(auto, auto)
+        return f"{short} autocast, fp32 parameters and master weights"
+    master, moments = state_bytes(ds)
+    if master == 2 and moments == 2:
+        return "bf16 with bf16 master weights and optimizer states"
+    if master == 2:
+        return "bf16 with bf16 master weights and gradients, fp32 optimizer states"
+    return precision(ds)
+
+
 def offloads(ds: dict) -> tuple[Optional[str], Optional[str]]:
     """(optimizer offload device, param offload device), each None, 'cpu' or 'nvme'."""
     z = ds.get("zero_optimization", {})

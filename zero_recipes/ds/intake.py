@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from zero_recipes import modes
 from zero_recipes.config.train_config import REPO_ROOT, TrainConfig, resolve_path
-from zero_recipes.ds import checks as ds_checks, schema as ds_schema
-from zero_recipes.ds.facts import zero_stage
+from zero_recipes.ds import checks as ds_checks, precision_blocks, schema as ds_schema
+from zero_recipes.ds.facts import precision, precision_words, zero_stage
 from zero_recipes.errors import ConfigError
 from zero_recipes.parallel.mesh import Mesh
 
@@ -172,6 +172,12 @@ def _resolve_precision(ds: dict, r: Resolver) -> None:
             r.conflicts.append(f"{name}.enabled={enabled!r} but {name}={mine!r}")
     if ds["bf16"]["enabled"] and ds["fp16"]["enabled"]:
         raise ConfigError("bf16 and fp16 are both enabled; use one precision fragment (bf16.json or fp16.json)")
+    # low-precision master weights and states, torch_autocast: checked and filled (ds/precision_blocks.py), and
+    # the precision in words for --dry_run where "bf16"/"fp32" alone would mislead
+    r.notes += precision_blocks.resolve(ds)
+    words = precision_words(ds)
+    if words != precision(ds):
+        r.notes.append(f"precision: {words}")
 
 
 def _resolve_batch(ds: dict, r: Resolver, dp: int) -> None:

@@ -106,12 +106,16 @@ def trace_peak(
     loss_tile: int | None = None,
     tiled_mlp: bool = False,
     objective: str = "lm",
+    autocast: str | None = None,
 ) -> int:
     """`seq_len` is the whole sequence; with `sp` > 1 the model runs on its seq_len/sp slice with Ulysses'
     attention (sequence_parallel.ulysses_attention). `loss_tile`: None, the model's own loss; else train.py's
     (zero_recipes.modeling.lm_loss) with that many tokens per tile, 0 for its untiled path. `tiled_mlp`: every MLP
     through DeepSpeed's TiledMLP as train.py wraps it (lm_loss.install_tiled_mlp). `objective` "dpo": micro_batch
-    pairs of seq_len tokens in one row, through DPO's own step (memory/objective.py)."""
+    pairs of seq_len tokens in one row, through DPO's own step (memory/objective.py). `autocast` ("bfloat16",
+    "float16"): the forward and backward inside torch.autocast, as DeepSpeed's `torch_autocast` runs them
+    (engine.py `forward` under torch_autocast.py `autocast_if_enabled`): each Linear computes in that dtype from
+    a cast of its fp32 weight (autocast's cache keeps the casts until the region ends), the rest in fp32."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -148,11 +152,18 @@ def trace_peak(
         ids = torch.zeros(micro_batch, seq_len // sp, dtype=torch.long)
         pairs = dpo_batch(micro_batch, seq_len) if objective == "dpo" else None
         tracker = _tracker_class()(list(model.parameters()) + list(model.buffers()))
+        # "cpu": the fake tensors' device; autocast's rules for Linear are the same on a GPU. The forward runs in
+        # the region, the backward after it, as DeepSpeed's engine runs them (DPO's step: both inside)
+        region = torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
         with tracker, _eager_masks(), traceable_experts():
             if pairs is not None:
-                dpo_step(model, pairs)
+                with region:
+                    dpo_step(model, pairs)
             else:
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                with region:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                del loss
     return tracker.peak
 
 
@@ -273,6 +284,7 @@ def activation_bytes(
     loss_tile_tokens: int = 0,
     tiled_mlp: bool = False,
     objective: str = "lm",
+    autocast: str | None = None,
 ) -> Activations:
     """`lora`: a peft LoraConfig (zero_recipes.adapters.lora.lora_config) to trace the peft-wrapped model, else None.
     `tp` > 1: one tensor-parallel rank's activations, traced through the model with its per-rank widths
@@ -280,7 +292,8 @@ def activation_bytes(
     `sp` > 1: one Ulysses rank's, the model run on seq_len/sp tokens with the all-to-alls' shapes around
     attention (sequence_parallel.py). `tiled_loss`, `loss_tile_tokens`, `tiled_mlp`: train.py's flags; the loss
     and the MLPs are traced through train.py's own code for them (zero_recipes.modeling.lm_loss). `objective` "dpo":
-    DPO's step over micro_batch pairs of seq_len tokens, its answers' logits untiled (memory/objective.py)."""
+    DPO's step over micro_batch pairs of seq_len tokens, its answers' logits untiled (memory/objective.py).
+    `autocast`: the torch_autocast dtype, traced with fp32 parameters inside torch.autocast (trace_peak)."""
     import torch
 
     from .tensor_parallel import local_config
@@ -302,6 +315,7 @@ def activation_bytes(
                 tile,
                 tiled_mlp,
                 objective,
+                autocast,
             )
             for n in (1, 2)
         )

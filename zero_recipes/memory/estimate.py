@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from zero_recipes.ds.facts import offloads, precision as ds_precision, zero_stage
+from zero_recipes.ds.facts import autocast_dtype, offloads, precision as ds_precision, precision_words, state_bytes, zero_stage
 from zero_recipes.parallel import combinations
 from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.sequence_parallel import check_split
@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from . import host_memory, moe as moe_memory
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
-from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, phases
+from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, optimizer_states, phases
 
 # bytes per unit of a memory size as written: decimal (kb ... tb) and binary (kib ... tib)
 UNITS = (
@@ -123,6 +123,10 @@ class Estimate:
     """Under pipeline parallelism: micro_batches, bubble, worst_stage and the stages (pipeline.stage_row)."""
     moe: dict | None = None
     """A mixture of experts: total and active parameters, experts, k, what a rank holds under EP (moe.Split)."""
+    precision_words: str = ""
+    """The precision in words (ds.facts.precision_words): "bf16 autocast, fp32 parameters and master weights"."""
+    optimizer_states: dict | None = None
+    """One rank's master weights and optimizer state, their dtypes and where they live (states.optimizer_states)."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -162,9 +166,11 @@ def estimate(
     held, shards = _held(model_config, shape, mesh, experts)
     setup = _setup(held, shards, ds, launch)
     if mesh.pp > 1:
-        return _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, known.stage_traces)
+        e = _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, known.stage_traces)
+        return _described(e, ds, setup)
     by_phase = phases(setup)
-    activations = known.activations or _traced(model_config, launch, setup.bytes_per_param, lora, mesh, shape)
+    activations = known.activations or _traced(model_config, launch, setup.bytes_per_param, lora, mesh, shape,
+                                               autocast_dtype(ds))
     in_loss = tiled_head_gradient(model_config, launch, mesh, setup.bytes_per_param, shape)
     if experts is not None:
         by_phase = _expert_phases(by_phase, experts, setup, launch)
@@ -189,6 +195,13 @@ def estimate(
     e = _result(table, held, setup, ds_precision(ds), launch, mesh, gpu_memory, activations.method)
     if experts is not None:
         e.moe = {**experts.as_json(), "expert_imbalance": launch.expert_imbalance if experts.ep > 1 else None}
+    return _described(e, ds, setup)
+
+
+def _described(e: Estimate, ds: dict, setup: Setup) -> Estimate:
+    """The estimate with its precision in words and the optimizer states' bytes, dtypes and place."""
+    e.precision_words = precision_words(ds)
+    e.optimizer_states = optimizer_states(setup)
     return e
 
 
@@ -310,10 +323,17 @@ def _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, traced)
     return e
 
 
+def uses_muon(ds: dict) -> bool:
+    """DeepSpeed builds its Muon (`"optimizer": {"type": "Muon"}`, ds_configs/muon.json)."""
+    block = ds.get("optimizer")
+    return isinstance(block, dict) and str(block.get("type", "")).lower() == "muon"
+
+
 def _setup(shape: ModelShape, dp: int, ds: dict, launch: Launch) -> Setup:
     """The model states' inputs (states.Setup) for this shape, over `dp` ranks, by this DeepSpeed config and launch."""
     precision = ds_precision(ds)
     off_opt, off_par = offloads(ds)
+    master, moment = state_bytes(ds)
     return Setup(
         shape.num_params,
         shape.largest_param,
@@ -336,11 +356,15 @@ def _setup(shape: ModelShape, dp: int, ds: dict, launch: Launch) -> Setup:
         largest_quantized=shape.largest_quantized,
         # train.py's build_model: a pretrained base loads in bf16 under bf16
         load_bytes=2 if precision == "bf16" else 4,
+        master_bytes=master,
+        moment_bytes=moment,
+        muon_params=shape.muon_params if uses_muon(ds) and shape.trainable is None else 0,
     )
 
 
-def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: ModelShape) -> Activations:
-    """The launch's activations (activations.activation_bytes) in the run's dtype."""
+def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: ModelShape, autocast=None) -> Activations:
+    """The launch's activations (activations.activation_bytes) in the run's dtype; under `torch_autocast`
+    (`autocast`: its dtype) fp32 parameters with the forward and backward traced inside torch.autocast."""
     import torch
 
     dtype = torch.float32 if p == 4 else torch.bfloat16
@@ -359,6 +383,7 @@ def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: Model
         launch.loss_tile_tokens,
         launch.tiled_mlp,
         launch.objective,
+        autocast,
     )
 
 

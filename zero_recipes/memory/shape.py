@@ -25,6 +25,9 @@ class ModelShape:
     """The whole model's parameters when tp > 1 (num_params is then one rank's share); 0: num_params."""
     vocab_parallel: bool = False
     """tp > 1 and the tied embedding/head split along the vocabulary (logits V/tp wide)."""
+    muon_params: int = 0
+    """The parameters DeepSpeed's Muon steps with Muon: 2-D or more, their names free of "embed" and "lm_head"
+    (deepspeed/__init__.py `set_optimizer_flags`); counted for full fine-tuning without TP (0 otherwise)."""
 
     @property
     def model_params(self) -> int:
@@ -57,7 +60,7 @@ class ModelShape:
             )
         quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
         if lora is None:
-            return cls(num_params(model), max(p.numel() for p in model.parameters()))
+            return cls(num_params(model), max(p.numel() for p in model.parameters()), muon_params=muon_count(model))
         from peft import get_peft_model
 
         model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
@@ -70,3 +73,13 @@ class ModelShape:
             sum(quantized),
             max(quantized, default=0),
         )
+
+
+def muon_count(model) -> int:
+    """DeepSpeed's Muon split (deepspeed/__init__.py `set_optimizer_flags`): parameters of 2 or more dimensions
+    whose names hold neither "embed" nor "lm_head" take Muon; a tied head is the embedding, counted once."""
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+    )

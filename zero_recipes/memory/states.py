@@ -10,7 +10,9 @@ Two accountings, because host and device are one pool on the CPU accelerator and
   benchmarks/estimator.md). It checks the sums, not the device/host split.
 
 p: bytes of a training parameter (2 in bf16/fp16, 4 in fp32). N: data-parallel ranks. F: the largest
-single parameter (usually the embedding). Adam's two moments are fp32 (8 B), so is the master copy (4 B).
+single parameter (usually the embedding). Adam's two moments are fp32 (8 B), so is the master copy (4 B), unless
+bf16_states.json makes them bf16 (m = 2 B a master weight, o = 4 B of moments: `optimizer_state_bytes`, the tables'
+t.m and t.o); Muon's matrices keep one momentum buffer instead of Adam's two.
 
 LoRA (`Setup.trainable` below the parameter count): only the optimizer's parameters get grads, master copies,
 Adam moments and the buffers sized by them, so the trainable part is the same accounting over the trainable
@@ -73,6 +75,44 @@ class Setup:
     # output head, transformers' default skip list) and the largest of them
     quantized: int = 0
     largest_quantized: int = 0
+    # Bytes of a master weight (and of the gradient partition the step reads in its dtype) and of each of Adam's
+    # two moments: 4 and 4, or 2 and 2 under bf16_master_weights_and_grads and bf16_optimizer_states (ds.facts
+    # `state_bytes`; runtime/base_optimizer.py `_configure_master_weights`)
+    master_bytes: int = 4
+    moment_bytes: int = 4
+    # Muon (`"optimizer": {"type": "Muon"}`): the parameters DeepSpeed steps with Muon (2-D, not embedding or head:
+    # deepspeed/__init__.py `set_optimizer_flags`), each with one momentum buffer instead of Adam's two moments
+    muon_params: int = 0
+
+
+def optimizer_state_bytes(s: Setup) -> float:
+    """Bytes per parameter (averaged over all of them) of the optimizer's own state, before ZeRO partitions it.
+    Adam: two moments. Muon's matrices: one momentum buffer, in the gradient's dtype (zero/stage_1_and_2.py
+    `_muon_momentum_buffer` follows the gradient; stage3.py `_create_momentum_buffer` takes the communication
+    dtype, the parameters' by default; ZeRO-0's FP16 wrapper steps fp32 copies), the rest Adam's."""
+    adam = 2 * s.moment_bytes
+    if not s.muon_params:
+        return float(adam)
+    momentum = s.bytes_per_param if s.stage > 0 else 4
+    share = s.muon_params / s.num_params
+    return (1 - share) * adam + share * momentum
+
+
+def optimizer_states(s: Setup) -> dict:
+    """One rank's master weights and optimizer state (ZeRO partitions them over `world` ranks from stage 1; at
+    ZeRO-0 the fp32 parameters are their own master, counted with the parameters) and where they live: the
+    figure the precision tests measure in a run's checkpoint (tests/integration/training/test_precision_states.py)."""
+    shards = s.world if s.stage > 0 else 1
+    n = (s.trainable if s.trainable is not None else s.num_params) / shards
+    master = 0 if (s.stage == 0 and not s.mixed) else s.master_bytes * n
+    return {
+        "master_bytes": int(master),
+        "optimizer_bytes": int(optimizer_state_bytes(s) * n),
+        "master_dtype": "fp32" if s.master_bytes == 4 else "bf16",
+        "moment_dtype": "fp32" if s.moment_bytes == 4 else "bf16",
+        "where": "host" if s.offload_optimizer else "device",
+        "muon_params": s.muon_params,
+    }
 
 
 @dataclass
@@ -119,6 +159,8 @@ class Inputs:
     reduce_bucket: float  # elements
     live_cap: float  # elements (live_parameter_cap)
     sub_group: float  # elements
+    m: float = 4  # bytes of a master weight, and of the gradient partition the step reads in its dtype
+    o: float = 8  # bytes of the optimizer's state per parameter (optimizer_state_bytes: Adam's two moments, 8)
 
     @classmethod
     def of(cls, s: Setup) -> "Inputs":
@@ -137,6 +179,8 @@ class Inputs:
             zero_setting(s.zero, "reduce_bucket_size", 5e8),
             live_parameter_cap(s.zero),
             zero_setting(s.zero, "sub_group_size", 1e9),
+            s.master_bytes,
+            optimizer_state_bytes(s),
         )
 
 

@@ -39,7 +39,7 @@ ZERO0_MIXED = (
     # size                                          init steady fwd   fwd_bwd step
     (lambda t: t.p,                                   "t",  "ts",  "ts", "ts",  "ts"),  # the params
     (lambda t: 4,                                     "t",  "ts",  "ts", "ts",  "ts"),  # the fp32 master copy
-    (lambda t: 8,                                     "t",  "ts",  "ts", "ts",  "ts"),  # Adam's moments
+    (lambda t: t.o,                                   "t",  "ts",  "ts", "ts",  "ts"),  # Adam's moments
     (lambda t: 4,                                     "t",  "-",   "-",  "ts",  "ts"),  # fp32 accumulated grads
     (lambda t: t.p,                                   "t",  "-",   "-",  "-",   "t"),   # the step's 16-bit copy
     (lambda t: t.temp * t.f,                          "t",  "-",   "-",  "-",   "t"),   # AdamW's temporaries
@@ -49,7 +49,7 @@ ZERO0_MIXED = (
 ZERO0_FP32 = (
     # size                                          init steady fwd   fwd_bwd step
     (lambda t: t.p,                                   "-",  "ts",  "ts", "ts",  "ts"),  # the params
-    (lambda t: 8,                                     "-",  "ts",  "ts", "ts",  "ts"),  # Adam's moments
+    (lambda t: t.o,                                   "-",  "ts",  "ts", "ts",  "ts"),  # Adam's moments
     (lambda t: 4,                                     "-",  "-",   "-",  "ts",  "ts"),  # fp32 grads
     (lambda t: 4,                                     "-",  "-",   "-",  "t",   "-"),   # their flat all-reduce copy
     (lambda t: t.temp * t.f,                          "-",  "-",   "-",  "-",   "t"),   # AdamW's temporaries
@@ -74,14 +74,14 @@ def _zero2_reduce(t) -> float:
 ZERO12 = (
     # size                                          init steady fwd   fwd_bwd step
     (lambda t: t.p,                                   "t",  "ts",  "ts", "ts",  "ts"),  # low-precision params
-    (lambda t: 12 / t.N,                              "-",  "ts",  "ts", "ts",  "ts"),  # fp32 master + Adam parts
+    (lambda t: (t.m + t.o) / t.N,                     "-",  "ts",  "ts", "ts",  "ts"),  # master + Adam parts
     (lambda t: 4,                                     "ts", "-",   "-",  "-",   "-"),   # the fp32-built model
-    (lambda t: 4 / t.N,                               "ts", "-",   "-",  "-",   "-"),   # its fp32 partition
+    (lambda t: t.m / t.N,                             "ts", "-",   "-",  "-",   "-"),   # its master partition
     (_zero12_grads,                                   "-",  "-",   "-",  "ts",  "-"),
     (_zero2_reduce,                                   "-",  "-",   "-",  "t",   "-"),
     # the step: the reduced partition and its fp32 copy for the update, and the larger of AdamW's temporaries
     # and the grad norm's fp64 copy of one param's piece under ZeRO-2 (states.grad_norm_transient)
-    (lambda t: (t.p + 4) / t.N,                       "-",  "-",   "-",  "-",   "ts"),
+    (lambda t: (t.p + t.m) / t.N,                     "-",  "-",   "-",  "-",   "ts"),
     (lambda t: max(t.temp / t.N, t.grad_norm),        "-",  "-",   "-",  "-",   "t"),
 )  # fmt: skip
 
@@ -94,8 +94,8 @@ ZERO12_OFFLOAD = (
     # size                                          init  steady fwd   fwd_bwd step
     (lambda t: t.p,                                   "tsh", "ts",  "ts", "ts",  "ts"),  # low-precision params
     (lambda t: PINNED_STAGING_12,                     "-",   "th",  "th", "th",  "th"),  # pinned staging
-    (lambda t: 17 / t.N,                              "-",   "t",   "t",  "t",   "t"),   # host partitions, views
-    (lambda t: 16 / t.N,                              "s",   "sh",  "sh", "sh",  "sh"),  # master, grad, Adam
+    (lambda t: (2 * t.m + t.o + 1) / t.N,             "-",   "t",   "t",  "t",   "t"),   # host partitions, views
+    (lambda t: (2 * t.m + t.o) / t.N,                 "s",   "sh",  "sh", "sh",  "sh"),  # master, grad, Adam
     (lambda t: t.p * (1 + t.f),                       "-",   "-",   "-",  "t",   "-"),   # grads, one in flight
     (lambda t: t.p,                                   "-",   "-",   "-",  "s",   "-"),   # the grads' state
     (lambda t: t.p if t.N > 1 else 0,                 "-",   "-",   "-",  "-",   "t"),   # the reduced grads
@@ -106,14 +106,15 @@ ZERO12_OFFLOAD = (
 
 
 def _zero3_partitions(t) -> float:
-    """Params, grads, master and Adam, all partitioned. Under optimizer offload the grads live in the host's fp32
-    partition (16/N with master and Adam), with ~2/N of pinned staging beyond that (measured)."""
-    return (t.p + 16 + PINNED_STAGING_3) / t.N if t.off_opt else (2 * t.p + 12) / t.N
+    """Params, grads, master and Adam, all partitioned. Under optimizer offload the grads live in the host's
+    master-dtype partition (2m + o = 16/N with master and Adam in fp32), with ~2/N of pinned staging beyond that
+    (measured)."""
+    return (t.p + 2 * t.m + t.o + PINNED_STAGING_3) / t.N if t.off_opt else (2 * t.p + t.m + t.o) / t.N
 
 
 def _zero3_host(t) -> float:
     """The offloaded states and their pinned staging: with offload, zero.Init builds the partitions on the host."""
-    return ((16 + PINNED_STAGING_3) / t.N if t.off_opt else 0) + (t.p / t.N if t.off_par else 0)
+    return ((2 * t.m + t.o + PINNED_STAGING_3) / t.N if t.off_opt else 0) + (t.p / t.N if t.off_par else 0)
 
 
 def _zero3_init(t) -> float:
@@ -137,7 +138,7 @@ ZERO3 = (
     # measured: ~p/2 more while grads stream to the host under optimizer offload
     (lambda t: t.p / 2 if t.off_opt else 0,                 "-", "-",   "-",  "t",   "-"),
     # the step: the fp32 grad partition and AdamW's temporaries (DeepSpeedCPUAdam under offload: none)
-    (lambda t: 0 if t.off_opt else (4 + t.temp) / t.N,      "-", "-",   "-",  "-",   "t"),
+    (lambda t: 0 if t.off_opt else (t.m + t.temp) / t.N,    "-", "-",   "-",  "-",   "t"),
     (_zero3_init,                                           "t", "-",   "-",  "-",   "-"),
     (lambda t: (t.p + 10) / t.N,                            "t", "-",   "-",  "-",   "-"),
 )  # fmt: skip

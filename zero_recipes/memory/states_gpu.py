@@ -31,16 +31,16 @@ ZERO12 = (
     # else on the host (`flatten_on_accelerator`): the copy never sets a peak.
     (lambda t: t.p,                                                 "D", "D", "D", "D", "D"),
     # the fp32 master partition `single_partition_of_fp32_groups`, made on `self.device`
-    (lambda t: 0 if t.off_opt else 4 / t.N,                         "D", "D", "D", "D", "D"),
-    # torch AdamW makes exp_avg and exp_avg_sq at the first step
-    (lambda t: 0 if t.off_opt else 8 / t.N,                         "-", "D", "D", "D", "D"),
+    (lambda t: 0 if t.off_opt else t.m / t.N,                       "D", "D", "D", "D", "D"),
+    # torch AdamW makes exp_avg and exp_avg_sq at the first step, in the master's dtype (t.o: 8 B, 4 in bf16)
+    (lambda t: 0 if t.off_opt else t.o / t.N,                       "-", "D", "D", "D", "D"),
     # ZeRO-2 `copy_grads_in_partition`: `grads_in_partition`, allocated at the first backward and kept (with
     # offload the reduced grads go to the host's fp32 grad partition instead)
     (lambda t: t.p / t.N if t.stage == 2 and not t.off_opt else 0, "-", "D", "D", "D", "D"),
     # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad is alive until then
     (lambda t: t.p if t.stage == 1 else 0,                          "-", "-", "-", "D", "-"),
     # `step`: the fp32 grad partition (`get_flat_partition`) next to the 16-bit one on the device
-    (lambda t: 0 if t.off_opt else 4 / t.N,                         "-", "-", "-", "-", "D"),
+    (lambda t: 0 if t.off_opt else t.m / t.N,                       "-", "-", "-", "-", "D"),
     # offload: `temp_grad_buffer_for_gpu_offload`, the largest param's size
     (lambda t: t.p * t.f if t.off_opt else 0,                       "-", "d", "d", "d", "d"),
     # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype, made in
@@ -50,9 +50,9 @@ ZERO12 = (
     (lambda t: 0 if t.stage == 1 else 2 * t.p * t.f,               "-", "-", "-", "d", "-"),
     (_zero12_step,                                                  "-", "-", "-", "-", "d"),
     # offload, `initialize_optimizer_states` (pinned when pin_memory): the master partition and its grad, ...
-    (lambda t: 8 / t.N if t.off_opt else 0,                         "H", "H", "H", "H", "H"),
-    # ... and DeepSpeedCPUAdam's moments, from the first step
-    (lambda t: 8 / t.N if t.off_opt else 0,                         "-", "H", "H", "H", "H"),
+    (lambda t: 2 * t.m / t.N if t.off_opt else 0,                   "H", "H", "H", "H", "H"),
+    # ... and DeepSpeedCPUAdam's moments, from the first step (bf16 with fp32_optimizer_states=False)
+    (lambda t: t.o / t.N if t.off_opt else 0,                       "-", "H", "H", "H", "H"),
     # offload: `param_buffer_of_bit16_for_cpu_offload_groups` and `temp_grad_buffer_for_cpu_offload`
     (lambda t: t.p / t.N if t.off_opt else 0,                       "h", "h", "h", "h", "h"),
     (lambda t: t.p * t.f if t.off_opt else 0,                       "h", "h", "h", "h", "h"),
@@ -68,7 +68,7 @@ def _gathered(t) -> float:
 
 def _sub_group(t) -> float:
     """The sub-group's fp32 grad during `step` (`_prepare_fp32_grad_for_sub_group`): sub_group_size at most."""
-    return 4 * min(t.sub_group / t.P, 1 / t.N)
+    return t.m * min(t.sub_group / t.P, 1 / t.N)
 
 
 ZERO3 = (
@@ -80,10 +80,10 @@ ZERO3 = (
     # stage3.py `DeepSpeedZeroOptimizer_Stage3`: `grad_partitions_flat_buffer` p/N and the fp32 partitions
     # (`_create_fp32_partitions`, 4/N) on `self.device`, the host under offload_optimizer; Adam's 8/N with them
     # from the first step
-    (lambda t: 0 if t.off_opt else (t.p + 12) / t.N,                "-", "D", "D", "D", "D"),
-    (lambda t: 0 if t.off_opt else (t.p + 4) / t.N,                 "D", "-", "-", "-", "-"),
-    (lambda t: (t.p + 16) / t.N if t.off_opt else 0,                "H", "H", "H", "H", "H"),
-    (lambda t: -8 / t.N if t.off_opt else 0,                        "H", "-", "-", "-", "-"),  # Adam: not yet
+    (lambda t: 0 if t.off_opt else (t.p + t.m + t.o) / t.N,         "-", "D", "D", "D", "D"),
+    (lambda t: 0 if t.off_opt else (t.p + t.m) / t.N,               "D", "-", "-", "-", "-"),
+    (lambda t: (t.p + 2 * t.m + t.o) / t.N if t.off_opt else 0,     "H", "H", "H", "H", "H"),
+    (lambda t: -t.o / t.N if t.off_opt else 0,                      "H", "-", "-", "-", "-"),  # Adam: not yet
     # a module is built in fp32 before it is partitioned: at most the largest param at 4 B
     (lambda t: 4 * t.f,                                             "d", "-", "-", "-", "-"),
     # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients, kept
