@@ -119,6 +119,7 @@ BASELINES = {  # name -> (args after FAST, shared-run key); "zero0" is the `trai
         (*CONFIGS["zero0"], *dpo("dpo-lora-zero0"), "--model_name_or_path", LORA_BASE, *LORA),
         "dpo-lora-zero0",
     ),
+    "muon-zero0": ((*CONFIGS["zero0"], "ds_configs/muon.json"), "muon-zero0"),
 }
 
 
@@ -406,6 +407,36 @@ def precision_rows() -> list[Mode]:
     ]  # fmt: skip
 
 
+MUON = "ds_configs/muon.json"
+# the quick start's model: 4 layers x 7 projections; the embedding, the head and 9 norms take AdamW
+MUON_SPLIT = "muon: 28 of 39 tensors (the 2-D non-embedding ones) take Muon, the rest AdamW"
+
+
+def optimizer_rows() -> list[Mode]:
+    """DeepSpeed's Muon (ds_configs/muon.json) on ZeRO-1/2/3 against Muon on ZeRO-0: DeepSpeed orthogonalizes
+    each matrix's gradient once a step, on the whole matrix, where ZeRO-1/2 flatten a partition and ZeRO-3 at the
+    step. ZeRO-3 accumulates 2 micro-batches of 2: Newton-Schulz once per micro-batch (deepspeed#8443) would
+    advance its momentum twice a step, which this parity would see. Which tensors take Muon under zero.Init, the Newton-Schulz
+    count and the state bytes are tests/integration/optimizers/test_muon.py's."""
+    skips = {
+        "export_tool": "tools/export_hf.py reads a ZeRO checkpoint's model states, which the optimizer does not "
+        "change (the zero rows' column)",
+        "layout": "not offered for Muon: DeepSpeed's universal conversion of its momentum is not checked here",
+    }
+
+    def row(name, *args, **kw) -> Mode:
+        kw["skips"] = {**skips, **kw.get("skips", {})}
+        return Mode(name, args, baseline="muon-zero0", says=(MUON_SPLIT, *kw.pop("says", ())), family="muon", **kw)
+
+    return [
+        row("muon-zero1", *CONFIGS["zero1"], MUON, resume="kill"),
+        row("muon-zero2", *CONFIGS["zero2"], MUON, resume="", skips={
+            "resume": "muon-zero1 (killed) and muon-zero3 resume Muon's states; ZeRO-2 partitions them as ZeRO-1"}),
+        row("muon-zero3", *CONFIGS["zero3"], MUON, *batch(2, 2), resume="step4",
+            says=("model: built under zero.Init", "zero_optimization.reduce_scatter=false")),
+    ]  # fmt: skip
+
+
 MODES: list[Mode] = [
     *zero_rows(),
     *tensor_parallel_rows(),
@@ -415,6 +446,7 @@ MODES: list[Mode] = [
     *adapter_rows(),
     *preference_rows(),
     *precision_rows(),
+    *optimizer_rows(),
 ]
 BY_NAME = {m.name: m for m in MODES}
 
