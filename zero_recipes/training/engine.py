@@ -134,7 +134,7 @@ def make_engine(cfg: TrainConfig, model, ds: dict, total_steps: int, mpu=None):
         config=ds,
         mpu=mpu,
     )
-    report_gradient_norm_under_muon(engine)
+    report_gradient_norm_under_muon(engine, ds)
     return engine
 
 
@@ -148,15 +148,15 @@ def muon_split(engine) -> str:
     return f"muon: {muon} of {len(params)} tensors (the 2-D non-embedding ones) take Muon, the rest AdamW"
 
 
-def report_gradient_norm_under_muon(engine) -> None:
+def report_gradient_norm_under_muon(engine, ds: dict) -> None:
     """DeepSpeed 0.19.8's ZeRO-1/2/3 take the norm they report (and clip by) over Muon's orthogonalized updates,
     not over the gradients (deepspeed#8439; docs/dev/deepspeed-bugs.md#muon): 61 where the gradient's is 2 on the
     quick start's model. The intake refuses clipping with Muon at ZeRO-1/2/3, so only the reported norm is left
     wrong: here each Muon group's norm is taken over its gradient, as ZeRO-0 and every other optimizer's are, just
-    before DeepSpeed replaces the gradient with the update. Without optimizer offload; with it the norm stays
-    DeepSpeed's."""
+    before DeepSpeed replaces the gradient with the update. Without optimizer offload; with it (CPU or NVMe,
+    another path, not checked here) the norm stays DeepSpeed's."""
     opt = engine.optimizer
-    if engine.optimizer_name() != "muon" or engine.zero_optimization_stage() == 0 or engine.zero_cpu_offload():
+    if engine.optimizer_name() != "muon" or engine.zero_optimization_stage() == 0 or offloads(ds)[0]:
         return
     if engine.zero_optimization_stage() == 3:
         _stage3_raw_norm(opt)
