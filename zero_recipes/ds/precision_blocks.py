@@ -120,7 +120,9 @@ def _autocast(ds: dict) -> list[str]:
     if block is None:
         return []
     if not isinstance(block, dict):
-        raise ConfigError(f'DeepSpeed config \'{AUTOCAST}\' must be an object like {{"enabled": true, "dtype": "bfloat16"}}')
+        raise ConfigError(
+            f'DeepSpeed config \'{AUTOCAST}\' must be an object like {{"enabled": true, "dtype": "bfloat16"}}'
+        )
     unknown = sorted(set(block) - set(AUTOCAST_KEYS))
     if unknown:
         raise ConfigError(
@@ -151,7 +153,9 @@ def _autocast(ds: dict) -> list[str]:
         )
     z = ds.get("zero_optimization")
     if isinstance(z, dict) and z.get("zero_quantized_weights"):
-        raise ConfigError(f"{AUTOCAST} with zero_optimization.zero_quantized_weights: DeepSpeed asserts against the pair")
+        raise ConfigError(
+            f"{AUTOCAST} with zero_optimization.zero_quantized_weights: DeepSpeed asserts against the pair"
+        )
     modules = block.get("lower_precision_safe_modules")
     if modules is not None:
         if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):

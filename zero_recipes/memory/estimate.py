@@ -14,7 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from zero_recipes.ds.facts import autocast_dtype, offloads, precision as ds_precision, precision_words, state_bytes, zero_stage
+from zero_recipes.ds.facts import (
+    autocast_dtype,
+    offloads,
+    precision as ds_precision,
+    precision_words,
+    state_bytes,
+    zero_stage,
+)
 from zero_recipes.parallel import combinations
 from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.sequence_parallel import check_split
@@ -169,8 +176,9 @@ def estimate(
         e = _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, known.stage_traces)
         return _described(e, ds, setup)
     by_phase = phases(setup)
-    activations = known.activations or _traced(model_config, launch, setup.bytes_per_param, lora, mesh, shape,
-                                               autocast_dtype(ds))
+    activations = known.activations or _traced(
+        model_config, launch, setup.bytes_per_param, lora, mesh, shape, autocast_dtype(ds)
+    )
     in_loss = tiled_head_gradient(model_config, launch, mesh, setup.bytes_per_param, shape)
     if experts is not None:
         by_phase = _expert_phases(by_phase, experts, setup, launch)
@@ -200,8 +208,12 @@ def estimate(
 
 def _described(e: Estimate, ds: dict, setup: Setup) -> Estimate:
     """The estimate with its precision in words and the optimizer states' bytes, dtypes and place."""
+    from . import offload_variants
+
     e.precision_words = precision_words(ds)
     e.optimizer_states = optimizer_states(setup)
+    if said := offload_variants.note(setup):
+        e.notes.append(said)
     return e
 
 

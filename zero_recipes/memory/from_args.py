@@ -202,7 +202,7 @@ def one(args, gpu_memory):
             f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
             "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
         )
-    e.notes = notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(cfg, config, e.sequence_parallel))
+    e.notes = notes + e.notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(cfg, config, e.sequence_parallel))
     return e, cfg, config
 
 
