@@ -27,7 +27,7 @@ from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.sequence_parallel import check_split
 
 from ..errors import ConfigError
-from . import host_memory, moe as moe_memory
+from . import host_memory, moe as moe_memory, offload_variants
 from .activations import Activations, activation_bytes
 from .shape import ModelShape
 from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, optimizer_states, phases
@@ -175,7 +175,7 @@ def estimate(
     if mesh.pp > 1:
         e = _pipelined(model_config, ds, launch, mesh, shape, setup, gpu_memory, known.stage_traces)
         return _described(e, ds, setup)
-    by_phase = phases(setup)
+    by_phase = offload_variants.adjust(phases(setup), setup)  # ZenFlow's, SuperOffload's terms (GPU-only)
     activations = known.activations or _traced(
         model_config, launch, setup.bytes_per_param, lora, mesh, shape, autocast_dtype(ds)
     )
@@ -208,8 +208,6 @@ def estimate(
 
 def _described(e: Estimate, ds: dict, setup: Setup) -> Estimate:
     """The estimate with its precision in words and the optimizer states' bytes, dtypes and place."""
-    from . import offload_variants
-
     e.precision_words = precision_words(ds)
     e.optimizer_states = optimizer_states(setup)
     if said := offload_variants.note(setup):

@@ -66,7 +66,8 @@ def super_offload_bytes(s: Setup) -> tuple[float, float]:
 
 
 def adjust(by_phase: dict[str, PhaseBytes], s: Setup) -> dict[str, PhaseBytes]:
-    """states.gpu_phases' result with ZenFlow's or SuperOffload's terms (none on a CPU: both are GPU-only)."""
+    """states.phases' result with ZenFlow's or SuperOffload's terms (none on a CPU: both are GPU-only); estimate.py
+    applies it (not under a pipeline, which runs ZeRO-0/1 without them)."""
     if not applies(s):
         return by_phase
     device, host = zenflow_bytes(s) if zenflow_block(s) is not None else super_offload_bytes(s)

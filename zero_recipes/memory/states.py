@@ -231,11 +231,9 @@ def cpu_phases(s: Setup) -> dict[str, PhaseBytes]:
 def gpu_phases(s: Setup) -> dict[str, PhaseBytes]:
     """ZeRO-1/2/3 on a GPU (states_gpu.py's table): device and host bytes of one rank per phase, from DeepSpeed
     0.19.8's code paths."""
-    from . import offload_variants  # ZenFlow's and SuperOffload's terms on top (GPU-only in DeepSpeed 0.19.8)
-
     table = states_gpu.ZERO12 if s.stage in (1, 2) else states_gpu.ZERO3
     sums = _apply(table, Inputs.of(s), states_gpu.PLACES)
-    return offload_variants.adjust({k: PhaseBytes(*(int(v * s.num_params) for v in sums[k])) for k in TABLE_PHASES}, s)
+    return {k: PhaseBytes(*(int(v * s.num_params) for v in sums[k])) for k in TABLE_PHASES}
 
 
 # A pretrained checkpoint is read one shard at a time (5 GB at most, transformers' default shard size), stored
