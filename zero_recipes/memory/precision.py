@@ -16,7 +16,7 @@ def assumed_fp32(raw: dict, cfg) -> bool:
     return all(b.get("enabled", "auto") == "auto" for b in blocks) and cfg.bf16 is None and cfg.fp16 is None
 
 
-def statement(precision: str, assumed: bool, files: list[str], model_config) -> str:
+def statement(precision: str, assumed: bool, files: list[str], model_config, words: str = "") -> str:
     """One line: the precision the estimate used and what set it (the last --deepspeed file whose bf16/fp16
     block says so, else the recipe), or that fp32 was `assumed` (`assumed_fp32`); when the model's own torch_dtype differs from an
     assumed fp32, that too, since it is the likeliest reason to expect otherwise."""
@@ -30,7 +30,8 @@ def statement(precision: str, assumed: bool, files: list[str], model_config) -> 
         return FP32_ASSUMED
     setters = [f for f in files if _sets(load_fragments([f]), precision)]
     recipe = f"the recipe's {precision}: true" if precision != "fp32" else "the recipe's bf16/fp16: false"
-    return f"precision: {precision} ({f'set by {setters[-1]}' if setters else recipe})"
+    # `words`: ds.facts.precision_words, where the dtype alone misleads (torch_autocast, bf16 optimizer states)
+    return f"precision: {words or precision} ({f'set by {setters[-1]}' if setters else recipe})"
 
 
 def _sets(fragment: dict, precision: str) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zero_recipes.config import shipped
-from zero_recipes.ds.facts import precision as ds_precision
+from zero_recipes.ds.facts import autocast_dtype, precision as ds_precision, precision_words, state_bytes
 
 from .longest import LONGEST_GPUS, longest_rows
 
@@ -78,19 +78,23 @@ def lora_of(cfg):
     return lora.lora_config(cfg) if lora_options.enabled(cfg) else None
 
 
-def table_variants(cfg, config, precision: str) -> list[dict]:
+def table_variants(cfg, config, precision: str, autocast: str | None = None) -> list[dict]:
     """What the table tries: the run as given (full fine-tuning, or the LoRA it sets) over every config, and,
     when LoRA is not set, LoRA r=TABLE_LORA_R on all-linear over the configs without offload. Each with its
-    shape (peft's count on the meta model) and activations traced once per checkpointing choice."""
+    shape (peft's count on the meta model) and activations traced once per checkpointing choice (under
+    torch.autocast when the files enable `torch_autocast`: `autocast` is its dtype)."""
     import dataclasses
 
     runs = [(cfg, list(TABLE_CONFIGS))]
     if cfg.lora_r == 0:
         runs.append((dataclasses.replace(cfg, lora_r=TABLE_LORA_R, lora_target_modules=["all-linear"]), LORA_CONFIGS))
-    return [variant(cfg, config, precision, lora_of(run_cfg), run_cfg.lora_r, names) for run_cfg, names in runs]
+    return [
+        variant(cfg, config, precision, lora_of(run_cfg), run_cfg.lora_r, names, autocast=autocast)
+        for run_cfg, names in runs
+    ]
 
 
-def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) -> dict:
+def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1, autocast: str | None = None) -> dict:
     """One kind of run the table tries over `names`: its shape and its activations per checkpointing choice."""
     import torch
 
@@ -102,7 +106,17 @@ def variant(cfg, config, precision: str, lora, lora_r: int, names, tp: int = 1) 
     attn = cfg.attn_implementation or "sdpa"
     acts = {
         gc: activation_bytes(
-            config, 1, cfg.block_size, dtype, gc, attn, lora, tp, shape.vocab_parallel, objective=cfg.objective
+            config,
+            1,
+            cfg.block_size,
+            dtype,
+            gc,
+            attn,
+            lora,
+            tp,
+            shape.vocab_parallel,
+            objective=cfg.objective,
+            autocast=autocast,
         )
         for gc in (False, True)
     }
@@ -154,6 +168,8 @@ def pp_variants(cfg, config, ds: dict, precision: str, notes: list, worlds: tupl
         return []
     out, refused = [], []
     m = pipeline.micro_batches(ds)
+    # bf16 master weights (bf16_states.json) need ZeRO 1-3: the intake refuses them on ZeRO-0
+    configs = PP_CONFIGS if state_bytes(ds)[0] == 4 else tuple(c for c in PP_CONFIGS if c != "zero0")
     for pp in (pp for pp in PP_SIZES if any(n % pp == 0 for n in worlds)):
         tried = {**ds, "zero_optimization": {"stage": 1}, "pipeline": {**(ds.get("pipeline") or {}), "stages": pp}}
         axis = PipelineParallel(Mesh(pp, pp=pp))
@@ -169,7 +185,7 @@ def pp_variants(cfg, config, ds: dict, precision: str, notes: list, worlds: tupl
         launch = {gc: Launch(pp, 1, 1, cfg.block_size, gc, cfg.attn_implementation or "sdpa",
                              tiled_mlp=cfg.tiled_mlp) for gc in (False, True)}  # fmt: skip
         acts = {gc: all_stages(config, stages, m, launch[gc], p) for gc in (False, True)}
-        out.append({"lora_r": 0, "lora": None, "configs": PP_CONFIGS, "shape": ModelShape.of(config),
+        out.append({"lora_r": 0, "lora": None, "configs": configs, "shape": ModelShape.of(config),
                     "acts": acts, "tp": 1, "pp": pp})  # fmt: skip
     if refused:
         notes.append("pipeline parallelism not tried for stages " + ", ".join(refused))
@@ -234,9 +250,9 @@ def table(
         precision = ds_precision(ds)
         assumed = FP32_ASSUMED in notes  # the table's first line says it, not a note as well
         notes = [n for n in notes if n != FP32_ASSUMED]
-        stated = statement(precision, assumed, list(args.deepspeed or []), config)
+        stated = statement(precision, assumed, list(args.deepspeed or []), config, precision_words(ds))
         progress("tracing the activations (full fine-tuning, LoRA)")
-        variants = table_variants(cfg, config, precision)
+        variants = table_variants(cfg, config, precision, autocast_dtype(ds))
         variants += tp_variants(cfg, config, ds, precision, notes, counts, progress)
         worlds = tuple(n * args.num_nodes for n in counts)
         variants += pp_variants(cfg, config, ds, precision, notes, worlds, progress)
