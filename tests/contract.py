@@ -360,14 +360,16 @@ def preference_rows() -> list[Mode]:
 # ---- precision: bf16 master weights and optimizer states, torch_autocast ------------------------------------
 # The fp32 ZeRO-0 baseline's loss falls by L1 - L8 = 0.859 over the 8 steps (8.3655 -> 7.5060, every step down:
 # the sum of its per-step changes), measured. A bf16 rounding of relative size e in each step's update moves that
-# step's loss change by at most e x it, so after step t the loss is off by at most e x (L1 - Lt), plus the bf16
-# forward's own rounding of the loss (measured at step 1, before any update: 1.7e-4; inside the first term's
-# 2^-8 x 0.042 = 1.6e-4 of step 2, so it is added once).
+# step's loss change by at most e x it, so after step t the loss is off by at most e x (L1 - Lt) (a worst case: the
+# roundings are summed as if aligned), plus the bf16 forward's own rounding of the loss, which step 1 shows alone,
+# before any update (measured 1.5e-4 with bf16 weights, 1.7e-4 under autocast): 2e-4.
 BASELINE_DROP, FORWARD_ROUNDING = 0.859, 2e-4
 # torch_autocast: fp32 master weights and moments; only the gradients are bf16-computed, 2^-8 relative at most
 AUTOCAST_PARITY = 2**-8 * BASELINE_DROP + FORWARD_ROUNDING  # 3.6e-3; measured 3.0e-4
 # bf16 master weights and moments: the moments' rounding (2^-9 for m, 2^-10 for sqrt(v): under 2^-8 together) and
-# the new master weight's own rounding to bf16, another 2^-8 of the step: e = 2^-7
+# the new master weight's own rounding to bf16, counted as another 2^-8 of the step: e = 2^-7. (That rounding is half
+# a bf16 step of the weight, not of the update: where an update is far below a weight's spacing, a norm's 1.0, it
+# can be lost whole; over 8 steps of lr 3e-3 it measured within this bound, with 1.6x to spare.)
 BF16_STATES_PARITY = 2**-7 * BASELINE_DROP + FORWARD_ROUNDING  # 6.9e-3; measured 4.2e-3
 # the gradient norms, relative: bf16's 2^-8 (autocast's gradients; bf16 states' parameters), measured 2.0e-3 and 3.2e-3
 BF16_NORM_PARITY = 2**-8
