@@ -208,7 +208,7 @@ def build_model(plan: RunPlan, rank: int, log):
         )
     log(
         f"model: {model_config.model_type}, {moe.parameters_in_words(model_config, n_params)}, ZeRO stage "
-        f"{plan.zero_stage}, {plan.precision}, attention {cfg.attn_implementation}"
+        f"{plan.zero_stage}, {plan.precision_words}, attention {cfg.attn_implementation}"
     )
     return model
 
@@ -321,7 +321,7 @@ def dry_run(plan: RunPlan, log) -> int:
     )
     log(
         f"plan: model {model_config.model_type} {moe.parameters_in_words(model_config, n)}; {plan.mesh.describe()}; ZeRO stage "
-        f"{plan.zero_stage}; {plan.precision}; "
+        f"{plan.zero_stage}; {plan.precision_words}; "
         f"{plan.global_batch} {plan.objective.rows} x {cfg.block_size} tokens = {tokens} tokens/step; steps {steps}; "
         f"{flops.model_flops_per_token(model_config, cfg.block_size) * tokens / 1e12:.3f} TFLOP/step"
     )

@@ -23,7 +23,7 @@ from zero_recipes.config.cli import parse_args
 from zero_recipes.config.train_config import RUN_CONTROL_FIELDS, TrainConfig, parse_inline_or_file, parse_model_config
 from zero_recipes.distributed.launcher_env import rank_info
 from zero_recipes.ds import intake as ds_config
-from zero_recipes.ds.facts import precision, zero_stage
+from zero_recipes.ds.facts import precision, precision_words, zero_stage
 from zero_recipes.errors import ConfigError
 from zero_recipes.modeling import hub, model as modeling, moe
 from zero_recipes.parallel import combinations
@@ -131,6 +131,11 @@ class RunPlan:
     @property
     def precision(self) -> str:
         return precision(self.ds)
+
+    @property
+    def precision_words(self) -> str:
+        """The precision as the log and --dry_run say it: autocast and bf16 states named (ds.facts)."""
+        return precision_words(self.ds)
 
     @property
     def parallelism(self) -> Parallelism:
