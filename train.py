@@ -37,7 +37,7 @@ from zero_recipes.config.cli import help_text
 from zero_recipes.distributed import deepspeed_logs, launcher_env, process_group
 from zero_recipes.distributed.lost_peer import lost_peer
 from zero_recipes.distributed.preemption import StopRequest
-from zero_recipes.ds import checks as ds_checks, jit_ops
+from zero_recipes.ds import checks as ds_checks, gpu_only, jit_ops
 from zero_recipes.errors import ConfigError
 from zero_recipes.evaluation import in_training
 from zero_recipes.modeling import lm_loss, model as modeling, moe, packed_attention
@@ -219,8 +219,10 @@ def start_engine(plan: RunPlan, model, ds: dict, log):
     if split := muon_split(engine):
         log(split)
     if plan.cfg.torch_compile:  # DeepSpeed's own compile support: it knows which hooks must stay outside the graph
-        engine.compile()
-        log("model: compiled with torch.compile (DeepSpeed engine.compile); the first step includes compilation")
+        from deepspeed.accelerator import get_accelerator
+
+        engine.compile()  # DeepCompile when the config's compile.deepcompile is true (ds_configs/deepcompile.json)
+        log(gpu_only.compiler_line(plan.ds, engine.is_deepcompile_active(), get_accelerator().get_compile_backend()))
     return engine
 
 
@@ -295,6 +297,7 @@ def dry_run(plan: RunPlan, log) -> int:
     """Everything a launch would check before its process group starts (the plan, the model config and its
     attention, the data, output_dir and resume rules), then what it would run and its memory estimate."""
     cfg, model_config = plan.cfg, plan.model_config
+    ds_checks.refuse_gpu_only(plan.ds)  # ZenFlow, SuperOffload, DeepCompile on a CPU: refused, not only warned of
     inputs = check_inputs(plan)
     n = modeling.count_params_meta(model_config)
     tokens = plan.global_batch * cfg.block_size

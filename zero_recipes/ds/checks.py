@@ -2,7 +2,8 @@
 
 - `refuse_ignored`: combinations DeepSpeed 0.19.8 accepts and silently ignores (offload_param below ZeRO-3, ZeRO++
   below ZeRO-3, ...), modes train.py cannot lay its data out for yet, removed optimizers, misspelt top-level keys.
-- `machine_problems`: the precision's kernels, NVMe offload's async_io op and directory.
+- `machine_problems`: the precision's kernels, NVMe offload's async_io op and directory, and the GPU-only knobs
+  (ds/gpu_only.py; `refuse_gpu_only` raises those, for --dry_run, which only warns of the rest).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import difflib
 import os
 from pathlib import Path
 
+from zero_recipes.ds import gpu_only
 from zero_recipes.ds.facts import offloads, precision, zero_stage
 from zero_recipes.ds.schema import block_models
 from zero_recipes.errors import ConfigError
@@ -48,8 +50,36 @@ def refuse_ignored(ds: dict) -> list[str]:
             f"ZeRO++ ({', '.join(zeropp)}) works only with ZeRO-3; at ZeRO-{stage} DeepSpeed ignores it. "
             "Remove those keys or use ds_configs/zero3.json"
         )
+    _refuse_forbidden_pairs(ds, z, stage)
     _refuse_unknown_optimizer(ds)
     return _unknown_top_level(ds) + _ignored_knobs(z, stage) + _ignored_blocks(ds)
+
+
+def _refuse_forbidden_pairs(ds: dict, z: dict, stage: int) -> None:
+    """Pairs DeepSpeed 0.19.8 asserts against inside deepspeed.initialize, on every rank, after the model is built."""
+    hpz = int(z.get("zero_hpz_partition_size", 1) or 1)
+    autoep = isinstance(ds.get("expert_parallel"), dict) and ds["expert_parallel"].get("enabled") is True
+    if autoep and stage == 3 and (z.get("zero_quantized_gradients") or hpz > 1):
+        # runtime/engine.py `_validate_zero3_moe_compatibility`: "AutoEP with ZeRO Stage 3 does not support
+        # zero_quantized_gradients yet" / "... hpZeRO secondary tensor groups yet"
+        what = (
+            "zero_quantized_gradients (qgZ)"
+            if z.get("zero_quantized_gradients")
+            else f"zero_hpz_partition_size = {hpz} (hpZ)"
+        )
+        raise ConfigError(
+            f"expert_parallel (AutoEP) with ZeRO-3 and {what}: DeepSpeed 0.19.8 does not support the pair yet and "
+            "stops at start-up; drop that ZeRO++ key, or use ds_configs/zero2.json with the ep fragment"
+        )
+    opt = ds.get("optimizer")
+    muon = isinstance(opt, dict) and str(opt.get("type", "")).lower() == "muon"
+    if muon and z.get("zero_quantized_gradients"):
+        # runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3.__init__: qgZ's all-to-all group raises "Muon and
+        # all2all process group cannot be used together" (and qgZ asserts the reduce_scatter Muon must turn off)
+        raise ConfigError(
+            'zero_quantized_gradients (qgZ) with the Muon optimizer: DeepSpeed 0.19.8 refuses the pair ("Muon and '
+            'all2all process group cannot be used together"); drop zero_quantized_gradients, or use AdamW'
+        )
 
 
 def _refuse_unknown_optimizer(ds: dict) -> None:
@@ -172,7 +202,8 @@ def machine_problems(ds: dict, tf32: bool | None = None) -> list[str]:
     acc = get_accelerator()
     capability = cuda_capability(acc.device_name())
     bf16_ok = native_bf16(acc.is_bf16_supported(), capability)
-    problems = precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), bf16_ok)
+    problems = gpu_only.machine_problems(ds, acc.device_name(), fused_lion(acc))
+    problems += precision_problems(precision(ds), acc.device_name(), acc.is_fp16_supported(), bf16_ok)
     problems += tf32_problems(tf32, acc.device_name(), capability)
     z = ds.get("zero_optimization") or {}
     nvme = [z[k] for k in ("offload_optimizer", "offload_param") if (z.get(k) or {}).get("device") == "nvme"]
@@ -186,6 +217,23 @@ def machine_problems(ds: dict, tf32: bool | None = None) -> list[str]:
         for path in sorted({str(block.get("nvme_path")) for block in nvme}):
             problems += path_problems(path)
     return problems
+
+
+def refuse_gpu_only(ds: dict) -> None:
+    """Raise, in one line, for the GPU-only knobs (and Lion without offload) this machine cannot run: --dry_run
+    refuses these, where it only warns of a missing NVMe directory or kernel (ds/gpu_only.py)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if problems := gpu_only.machine_problems(ds, acc.device_name(), fused_lion(acc)):
+        raise ConfigError("; ".join(problems))
+
+
+def fused_lion(acc) -> bool:
+    """Whether this accelerator has DeepSpeed's FusedLion op (the CPU accelerator maps FusedLionBuilder to its
+    NotImplementedBuilder, which still says is_compatible)."""
+    builder = acc.create_op_builder("FusedLionBuilder")
+    return builder is not None and type(builder).__name__ != "NotImplementedBuilder" and builder.is_compatible(False)
 
 
 def precision_problems(precision: str, device: str, fp16_ok: bool, bf16_ok: bool) -> list[str]:

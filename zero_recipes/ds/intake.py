@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from zero_recipes import modes
 from zero_recipes.config.train_config import REPO_ROOT, TrainConfig, resolve_path
-from zero_recipes.ds import checks as ds_checks, precision_blocks, schema as ds_schema
+from zero_recipes.ds import checks as ds_checks, gpu_only, precision_blocks, schema as ds_schema
 from zero_recipes.ds.facts import precision, precision_words, zero_stage
 from zero_recipes.errors import ConfigError
 from zero_recipes.parallel.mesh import Mesh
@@ -115,6 +115,7 @@ def resolve(raw: dict, cfg: TrainConfig, explicit: set[str], world_size: int, hi
     mesh = Mesh.of(world_size, ds)
     mesh.check()
     modes.parallelism_for(mesh).configure(ds)
+    r.notes += gpu_only.resolve(ds, r)  # ZenFlow, SuperOffload, DeepCompile: before the batch and optimizer fill
     _resolve_batch(ds, r, mesh.dp)
     r.match(ds, "gradient_clipping", r.cfg.max_grad_norm, "max_grad_norm", "gradient_clipping")
     _resolve_optimizer(ds, r)

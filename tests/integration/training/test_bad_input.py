@@ -82,6 +82,29 @@ CASES = [
     Case("nvme path missing", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/nvme.json",
                                "--nvme_path", "{tmp}/nvme"),
          ("nvme_path", "does not exist; create it on the NVMe drive")),
+    # ---- GPU-only knobs on a CPU, and the pairs DeepSpeed forbids: refused before any process group ------
+    Case("ZenFlow on a CPU", (*ZERO2, "ds_configs/zenflow.json", "--dry_run"),
+         ("ZenFlow (zero_optimization.zenflow) needs CUDA GPUs", "use ds_configs/offload_optimizer.json")),
+    Case("SuperOffload on a CPU", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/superoffload.json", "--dry_run"),
+         ("SuperOffload (offload_optimizer.super_offload) needs NVIDIA CUDA GPUs", "use ds_configs/offload_optimizer")),
+    Case("DeepCompile on a CPU", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/deepcompile.json", "--max_steps",
+                                  "1"),
+         ("DeepCompile (compile.deepcompile) needs CUDA GPUs", "drop ds_configs/deepcompile.json")),
+    Case("activation offload on a CPU", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/offload_activations.json",
+                                         "--dry_run"),
+         ("compile.offload_activation) needs CUDA GPUs", "--gradient_checkpointing true")),
+    Case("Lion without optimizer offload on a CPU", (*ZERO2, "{tmp}/lion.json", "--dry_run"),
+         ("the Lion optimizer on this CPU needs optimizer offload", "ds_configs/offload_optimizer.json"),
+         files={"lion.json": '{"optimizer": {"type": "Lion", "params": {"lr": "auto", "weight_decay": "auto"}}}'}),
+    Case("ZenFlow's update interval left to DeepSpeed", (*ZERO2, "ds_configs/offload_optimizer.json", "{tmp}/zf.json"),
+         ('zenflow.update_interval = \'auto\'', "give it a whole number"),
+         files={"zf.json": '{"zero_optimization": {"zenflow": {"topk_ratio": 0.05, "update_interval": "auto"}}}'}),
+    Case("AutoEP with ZeRO-3 and qgZ", ("--deepspeed", "ds_configs/zero3.json", EP2, "{tmp}/qgz.json"),
+         ("expert_parallel (AutoEP) with ZeRO-3 and zero_quantized_gradients (qgZ)", "zero2.json"),
+         files={"qgz.json": '{"zero_optimization": {"zero_quantized_gradients": true}}'}),
+    Case("Muon with qgZ", ("--deepspeed", "ds_configs/zero3.json", "ds_configs/muon.json", "{tmp}/qgz.json"),
+         ("zero_quantized_gradients (qgZ) with the Muon optimizer", "use AdamW"),
+         files={"qgz.json": '{"zero_optimization": {"zero_quantized_gradients": true}}'}),
     # ---- pipeline parallelism: every refusal before any process group --------------------------------
     Case("pipeline with ZeRO-2", ("--deepspeed", "ds_configs/zero2.json", PP2, "--dry_run"),
          ("pipeline.stages = 2 with ZeRO-2", "ds_configs/zero1.json")),
@@ -251,9 +274,18 @@ def on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+def on_cuda() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"
+
+
 # rows that are bad input only where the machine lacks what they ask for
 WHERE = {"flash_attention_2": (flash_attn_installed, "flash-attn is installed"),
-         "flex_attention": (lambda: not on_cpu(), "flex_attention trains on this accelerator")}  # fmt: skip
+         "flex_attention": (lambda: not on_cpu(), "flex_attention trains on this accelerator"),
+         **dict.fromkeys(("ds_configs/zenflow.json", "ds_configs/superoffload.json", "ds_configs/deepcompile.json",
+                          "ds_configs/offload_activations.json"), (on_cuda, "a CUDA GPU runs it")),
+         "{tmp}/lion.json": (lambda: not on_cpu(), "this accelerator has FusedLion")}  # fmt: skip
 ROWS = [
     pytest.param(
         c, id=c.name, marks=[pytest.mark.skipif(WHERE[a][0](), reason=WHERE[a][1]) for a in c.args if a in WHERE]
