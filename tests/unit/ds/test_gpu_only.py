@@ -73,6 +73,13 @@ def test_zenflow_runs_deepspeeds_zenflow_cpu_adam_and_its_interval_is_the_accumu
     assert ds["optimizer"]["type"] == "AdamW" and any("ZenFlowCPUAdam" in n for n in notes)
 
 
+def test_superoffload_says_clipping_turns_its_overlap_off():
+    _, notes, _ = resolved("zero3.json", "superoffload.json")
+    assert any(n.startswith("SuperOffload with gradient_clipping 1: DeepSpeed 0.19.8 starts") for n in notes)
+    ds, notes, _ = resolved("zero3.json", "superoffload.json", argv=["--max_grad_norm", "0"])
+    assert ds["gradient_clipping"] == 0 and not any(n.startswith("SuperOffload") for n in notes)
+
+
 def test_deepcompile_turns_torch_compile_on_and_a_recipe_saying_off_is_a_conflict():
     _, notes, cfg = resolved("zero3.json", "deepcompile.json")
     assert (
