@@ -98,17 +98,14 @@ def _zenflow(ds: dict, r) -> list[str]:
             "zero_optimization.zenflow needs ZeRO-1, 2 or 3; at ZeRO-0 DeepSpeed ignores it. Use "
             "ds_configs/zero2.json with ds_configs/zenflow.json"
         )
-    if (
-        _optimizer_offload(ds) != "cpu"
-    ):  # zenflow_stage_1_and_2.py `_configure_zenflow`: "Zenflow must be used with cpu offload"
+    # zenflow_stage_1_and_2.py `_configure_zenflow`: "Zenflow must be used with cpu offload"
+    if _optimizer_offload(ds) != "cpu":
         raise ConfigError(
             "zero_optimization.zenflow needs the optimizer offloaded to cpu (DeepSpeed refuses it otherwise: "
             '"Zenflow must be used with cpu offload"); ds_configs/zenflow.json sets offload_optimizer.device "cpu"'
         )
     notes = _zenflow_intervals(ds, zf, r)
-    if zf.get("offload") and not z.get(
-        "overlap_comm"
-    ):  # zenflow_stage_1_and_2.py ZenFlowZeroOptimizer.__init__ asserts
+    if zf.get("offload") and not z.get("overlap_comm"):  # zenflow_stage_1_and_2.py ZenFlowZeroOptimizer.__init__
         raise ConfigError(
             "zero_optimization.zenflow.offload = true needs zero_optimization.overlap_comm = true (DeepSpeed asserts "
             '"offload selective optimizer should be used with overlap_comm"); set it, or offload false'
