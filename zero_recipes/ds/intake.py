@@ -213,23 +213,43 @@ def _resolve_batch(ds: dict, r: Resolver, dp: int) -> None:
         )
 
 
+# What each DeepSpeed optimizer type takes of the recipe's AdamW settings, so a key it has no argument for is
+# never added: DeepSpeedCPULion has no eps (a Lion block given one stops in deepspeed.initialize with a
+# TypeError). Types not listed (torch.optim's SGD, RMSprop, ...) get lr and weight_decay alone; the HF Trainer
+# fills only keys a file writes, which leaves a Lion block's eps out the same way.
+_ADAM_KEYS = ("lr", "weight_decay", "eps", "betas")
+OPTIMIZER_KEYS = {name: _ADAM_KEYS for name in ("adam", "adamw", "lamb", "muon", "adamax", "nadam", "radam")}
+OPTIMIZER_KEYS |= {"lion": ("lr", "weight_decay", "betas"), "adagrad": ("lr", "weight_decay", "eps")}
+
+
 def _resolve_optimizer(ds: dict, r: Resolver) -> None:
     opt = ds.get("optimizer")
     if not isinstance(opt, dict):
         return
     p = opt.setdefault("params", {})
+    name = str(opt.get("type", "")).lower()
+    takes = OPTIMIZER_KEYS.get(name, ("lr", "weight_decay"))
+    for key in [k for k in ("eps", "betas") if k not in takes]:
+        if p.get(key) == AUTO:
+            raise ConfigError(f'optimizer.params.{key} is "auto" but {opt["type"]} takes no {key}; delete the key')
     r.match(p, "lr", r.cfg.learning_rate, "learning_rate", "optimizer.params.lr")
     r.match(p, "weight_decay", r.cfg.weight_decay, "weight_decay", "optimizer.params.weight_decay")
-    r.match(p, "eps", r.cfg.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
+    if "eps" in takes:
+        r.match(p, "eps", r.cfg.adam_epsilon, "adam_epsilon", "optimizer.params.eps")
+    if "betas" in takes:
+        _resolve_betas(p, r)
+    if name == "muon":
+        r.notes += _resolve_muon(ds, p, r.cfg.learning_rate)
+
+
+def _resolve_betas(p: dict, r: Resolver) -> None:
     if p.get("betas", AUTO) == AUTO:
         p["betas"] = [r.cfg.adam_beta1, r.cfg.adam_beta2]
-    else:
-        r.match(p, "betas", [r.cfg.adam_beta1, r.cfg.adam_beta2], None, "optimizer.params.betas")
-        b = p["betas"]
-        for i, name in enumerate(("adam_beta1", "adam_beta2")):
-            r.match({"b": b[i]}, "b", getattr(r.cfg, name), name, f"optimizer.params.betas[{i}]")
-    if str(opt.get("type", "")).lower() == "muon":
-        r.notes += _resolve_muon(ds, p, r.cfg.learning_rate)
+        return
+    r.match(p, "betas", [r.cfg.adam_beta1, r.cfg.adam_beta2], None, "optimizer.params.betas")
+    b = p["betas"]
+    for i, name in enumerate(("adam_beta1", "adam_beta2")):
+        r.match({"b": b[i]}, "b", getattr(r.cfg, name), name, f"optimizer.params.betas[{i}]")
 
 
 def _resolve_muon(ds: dict, p: dict, learning_rate: float) -> list[str]:

@@ -138,3 +138,19 @@ def test_malformed_json_reports_line_and_column(tmp_path):
         load_fragments([str(bad)])
     with pytest.raises(ConfigError, match="not found; shipped in ds_configs/: .*zero3.json"):
         load_fragments(["ds_configs/nope.json"])
+
+
+def test_an_optimizer_block_gets_only_the_recipe_settings_its_type_takes():
+    """DeepSpeedCPULion has no eps: a Lion block given the recipe's eps stopped in deepspeed.initialize with a
+    TypeError. Adam's settings reach the types that take them; an "auto" for a key the type lacks is one line."""
+    cfg, explicit = cfg_for("--learning_rate", "1e-4", "--adam_epsilon", "1e-7")
+    lion = {"optimizer": {"type": "Lion", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}}}
+    params = resolve(lion, cfg, explicit, 1, 64).ds["optimizer"]["params"]
+    assert params == {"lr": 1e-4, "betas": [cfg.adam_beta1, cfg.adam_beta2], "weight_decay": cfg.weight_decay}
+    adamw = resolve({"optimizer": {"type": "AdamW"}}, cfg, explicit, 1, 64).ds["optimizer"]["params"]
+    assert adamw["eps"] == 1e-7 and adamw["betas"] == [cfg.adam_beta1, cfg.adam_beta2]
+    sgd = resolve({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, cfg, explicit, 1, 64)
+    assert sgd.ds["optimizer"]["params"] == {"momentum": 0.9, "lr": 1e-4, "weight_decay": cfg.weight_decay}
+    lion["optimizer"]["params"]["eps"] = "auto"
+    with pytest.raises(ConfigError, match='optimizer.params.eps is "auto" but Lion takes no eps; delete the key'):
+        resolve(lion, cfg, explicit, 1, 64)
