@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers import REPO, dry_run_in_process, free_port, refusal, tool_in_process
@@ -18,6 +19,7 @@ from zero_recipes.config.shipped import ARCHITECTURES
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 README = (REPO / "README.md").read_text()
 DS_README = (REPO / "ds_configs" / "README.md").read_text()
+GPU_ONLY = {"zenflow.json", "superoffload.json", "deepcompile.json", "offload_activations.json"}
 
 
 def ds_config_rows() -> list[list[str]]:
@@ -162,6 +164,11 @@ def test_ds_configs_readme_row_resolves(row, tmp_path):
         extra += ["--model_config", "recipes/configs/llama-3.1-8b.json"]
     if any("/ep" in a for a in row):  # expert parallelism needs experts: Mixtral-8x7B's 8 per layer
         extra += ["--model_config", "recipes/configs/mixtral-8x7b-v0.1.json"]
+    gpu_only = [Path(a).name for a in row if Path(a).name in GPU_ONLY]
+    if gpu_only and not torch.cuda.is_available():  # refused here in one line that names the alternative
+        line = refusal(*row, *extra, "--dry_run")
+        assert "needs" in line and "CUDA" in line and f"ds_configs/{gpu_only[0]}" in line, line
+        return
     out = dry_run_in_process(*row, *extra)
     assert "resolved DeepSpeed config" in out and '"auto"' not in out
 
