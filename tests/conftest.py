@@ -171,7 +171,7 @@ def mode_run(trained, shared_runs, bases):
         if mode.family == "zero":
             return trained(mode.name, "fp32")
         args = contract.mode_args(mode.args, bases) + ["--save_steps", "4", "--verify_export"]
-        launcher = "forked+export_memory" if mode.measure_export else "forked"
+        launcher = f"forked+{mode.watch}" if mode.watch else "forked"
         return shared_runs.get(f"mode-{mode.name}", args, nproc=mode.nproc, launcher=launcher)
 
     return get

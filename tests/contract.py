@@ -67,7 +67,7 @@ class Mode:
     export_tool: str = ""  # "equal" | "refused: <words of its one line>" | "" (see skips)
     layouts: tuple[Layout, ...] = ()
     skips: dict[str, str] = field(default_factory=dict)  # column -> why this row does not take it
-    measure_export: bool = False  # its ranks' export gather measured too (tests/export_memory.py)
+    watch: str = ""  # a test module whose launch() watches the row's ranks as they train: export_memory, muon_calls
     family: str = "zero"
 
     def __post_init__(self):
@@ -242,7 +242,7 @@ def pipeline_rows() -> list[Mode]:
         says += ("plan: 8 steps x 8 sequences x 64 tokens",)  # the "auto" batch counts pipelines, not ranks
         says += ("pipeline: 2 stages of 7 layers (embedding, 4 blocks, norm, head) by parameters",)
         args = (*CONFIGS[zero], fragment, *batch(micro, 2))
-        return Mode(name, args, nproc, says=says, measure_export=True, family="pp", **kw)
+        return Mode(name, args, nproc, says=says, watch="export_memory", family="pp", **kw)
 
     return [
         row("pp2-zero0", 2, "zero0", pp2, 4, resume="kill", layouts=(
@@ -277,7 +277,7 @@ def expert_rows() -> list[Mode]:
     def row(name, fragments, **kw) -> Mode:
         kw.setdefault("skips", other)
         kw.setdefault("resume", "")
-        return Mode(name, (*fragments, *MOE), baseline="moe-zero0", measure_export=True, family="moe", **kw)
+        return Mode(name, (*fragments, *MOE), baseline="moe-zero0", watch="export_memory", family="moe", **kw)
 
     return [
         row("moe-zero1", CONFIGS["zero1"], says=says),
@@ -434,7 +434,7 @@ def optimizer_rows() -> list[Mode]:
         row("muon-zero1", *CONFIGS["zero1"], MUON, resume="kill"),
         row("muon-zero2", *CONFIGS["zero2"], MUON, resume="", skips={
             "resume": "muon-zero1 (killed) and muon-zero3 resume Muon's states; ZeRO-2 partitions them as ZeRO-1"}),
-        row("muon-zero3", *CONFIGS["zero3"], MUON, *batch(2, 2), resume="step4",
+        row("muon-zero3", *CONFIGS["zero3"], MUON, *batch(2, 2), resume="step4", watch="muon_calls",
             says=("model: built under zero.Init", "zero_optimization.reduce_scatter=false")),
     ]  # fmt: skip
 

@@ -14,13 +14,13 @@ helpers.at_step_4, shutil.copytree).
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 from pathlib import Path
 
 from filelock import FileLock
 
-import export_memory
 from helpers import Run, launch
 
 
@@ -32,7 +32,8 @@ class SharedRuns:
     def get(self, key: str, args: list[str], nproc: int = 2, launcher: str = "deepspeed", prepare=None) -> Run:
         """The finished launch of `train.py ARGS --output_dir ROOT/KEY/run`, trained by whichever worker asked
         first. `prepare(dir)` may make what the run needs (an NVMe directory) and return extra arguments.
-        launcher "forked+export_memory": forked ranks whose export gather is measured (tests/export_memory.py)."""
+        launcher "forked+MODULE": forked ranks that test module's launch() watches (tests/export_memory.py measures
+        the export's gather, tests/muon_calls.py counts Newton-Schulz and the optimizer's state bytes)."""
         where = self.root / key
         record = where / "launch.json"
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -40,8 +41,9 @@ class SharedRuns:
             if not record.exists():
                 where.mkdir(exist_ok=True)
                 extra = prepare(where) if prepare else []
-                if launcher == "forked+export_memory":  # each rank's export gather measured (export_memory.py)
-                    run = export_memory.launch(list(args) + extra, where / "run", nproc=nproc)
+                if launcher.startswith("forked+"):  # forked ranks a test module watches (export_memory.py, ...)
+                    watch = importlib.import_module(launcher.removeprefix("forked+"))
+                    run = watch.launch(list(args) + extra, where / "run", nproc=nproc)
                 else:
                     run = launch(list(args) + extra, where / "run", nproc=nproc, launcher=launcher)
                 record.write_text(json.dumps(to_json(run)))
