@@ -419,7 +419,7 @@ def optimizer_rows() -> list[Mode]:
     each matrix's gradient once a step, on the whole matrix, where ZeRO-1/2 flatten a partition and ZeRO-3 at the
     step. ZeRO-3 accumulates 2 micro-batches of 2: Newton-Schulz once per micro-batch (deepspeed#8443) would
     advance its momentum twice a step, which this parity would see. Which tensors take Muon under zero.Init, the Newton-Schulz
-    count and the state bytes are tests/integration/optimizers/test_muon.py's."""
+    count and the state bytes are tests/integration/training/test_muon.py's."""
     skips = {
         "export_tool": "tools/export_hf.py reads a ZeRO checkpoint's model states, which the optimizer does not "
         "change (the zero rows' column)",
