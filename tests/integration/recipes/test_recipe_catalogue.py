@@ -35,6 +35,7 @@ from zero_recipes.config.shipped import (
 CATALOGUE = {
     "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
     "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
+    "smollm2-135m-pretrain-muon.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
     "llama-3.2-1b-pretrain-news-clean.yaml": dict(data="c4-news", nproc=1, stage=2, offload=(None, None)),
     "llama-3.2-1b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
     "llama-3.2-3b-sft.yaml": dict(data="ultrachat", nproc=1, stage=2, offload=(None, None)),
