@@ -114,6 +114,28 @@ def launch(argv: list[str], nproc: int, port: str, env: dict, timeout: float) ->
             watchdog.cancel()
 
 
+def launch_watched(watcher_main, out_var: str, out_prefix: Path, args: list[str], output_dir: Path, **kwargs):
+    """helpers.launch(args, output_dir, launcher="forked", ...) whose ranks run `watcher_main` (a test module's
+    rank_main that watches what train.py does and calls this module's rank_main) instead of rank_main, each
+    writing what it saw to OUT_PREFIX.rankR.json (the environment's `out_var` names the prefix): tests/export_memory.py,
+    tests/muon_calls.py."""
+    import pytest
+
+    import helpers
+
+    env = {**kwargs.pop("env", {}), out_var: str(out_prefix)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules[__name__], "rank_main", watcher_main)
+        return helpers.launch(args, output_dir, launcher="forked", env=env, **kwargs)
+
+
+def read_watched(out_prefix: Path, nproc: int) -> list[dict]:
+    """What each rank of a `launch_watched` run wrote, by rank."""
+    import json
+
+    return [json.loads(Path(f"{out_prefix}.rank{r}.json").read_text()) for r in range(nproc)]
+
+
 def _kill_ranks() -> None:
     """SIGKILL what this worker's forkserver forked: the ranks of the one launch in flight."""
     import psutil

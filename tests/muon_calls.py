@@ -23,18 +23,12 @@ OUT = "MUON_CALLS_OUT"  # the launch's environment: where its ranks write
 
 def launch(args: list[str], output_dir: Path, **kwargs):
     """helpers.launch(args, output_dir, launcher="forked", ...), each rank's calls and states written down."""
-    import pytest
-
-    import helpers
-
-    env = {**kwargs.pop("env", {}), OUT: str(_prefix(output_dir))}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forked_launch, "rank_main", rank_main)
-        return helpers.launch(args, output_dir, launcher="forked", env=env, **kwargs)
+    return forked_launch.launch_watched(rank_main, OUT, _prefix(output_dir), args, output_dir, **kwargs)
 
 
 def read(output_dir: Path, nproc: int) -> list[dict]:
-    return [json.loads(Path(f"{_prefix(output_dir)}.rank{r}.json").read_text()) for r in range(nproc)]
+    """Each rank's record of the run `launch` made in output_dir, by rank."""
+    return forked_launch.read_watched(_prefix(output_dir), nproc)
 
 
 def _prefix(output_dir: Path) -> Path:
