@@ -40,6 +40,9 @@
     # long context on 2 ranks: per-rank peak vs length for ZeRO-3, tiled loss, SP=2 and both; longest in a budget
     python tools/benchmark.py longctx                   # --quick: tiny blocks, 4 configurations (the test)
 
+    # Muon against AdamW (ZeRO-3, 2 ranks): loss at equal steps, optimizer state bytes (allocator probe), tokens/s
+    python tools/benchmark.py optimizers                # tiny and 100M, 2 rounds; --quick: tiny, 5 steps (the test)
+
 Each subcommand writes benchmarks/<name>-YYYY-MM-DD.{md,json} (longctx also a .png) with the date, versions
 and machine. The code lives in tools/bench/, one folder per benchmark (the package `bench`, imported from this
 script's folder; not installed with zero_recipes).
@@ -73,6 +76,7 @@ COMMANDS = {
     "pipeline": "pipeline.benchmark",
     "moe": "moe.benchmark",
     "longctx": "longctx.benchmark",
+    "optimizers": "optimizers.benchmark",
 }
 
 

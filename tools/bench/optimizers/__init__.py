@@ -1,0 +1,1 @@
+"""Muon against AdamW on the CPU: loss at equal steps, optimizer state bytes, tokens/s."""
