@@ -66,7 +66,11 @@ def optimizer_states_line(o: dict) -> str:
     master = f"master weights {gb(o['master_bytes'])} ({o['master_dtype']}) + " if o["master_bytes"] else ""
     return (
         f"optimizer states per rank: {master}optimizer {gb(o['optimizer_bytes'])} ({o['moment_dtype']} moments"
-        + (f"; Muon's {o['muon_params']:,} matrix parameters one momentum buffer each" if o.get("muon_params") else "")
+        + (
+            f"; Muon's {o['muon_params']:,} matrix parameters a momentum each{o['muon_note']}"
+            if o.get("muon_params")
+            else ""
+        )
         + f"), on the {o['where']}"
     )
 

@@ -93,7 +93,11 @@ def optimizer_state_bytes(s: Setup) -> float:
     adam = 2 * s.moment_bytes
     if not s.muon_params:
         return float(adam)
-    momentum = s.bytes_per_param if s.stage > 0 else 4
+    # ZeRO-1/2 also keep a staged copy of each Muon group's momentum that muon_update writes into and the step
+    # commits, reused across steps (stage_1_and_2.py `_muon_staging_momentum`, `_commit_muon_momentum`): two
+    # buffers, so in fp32 Muon's state there equals Adam's (measured with the allocator probe, 8 bytes a parameter
+    # either way: benchmarks/optimizers-2026-12-05.md); with bf16 gradients they are half. ZeRO-3 keeps one.
+    momentum = (2 if s.stage in (1, 2) else 1) * s.bytes_per_param if s.stage > 0 else 4
     share = s.muon_params / s.num_params
     return (1 - share) * adam + share * momentum
 
@@ -112,6 +116,7 @@ def optimizer_states(s: Setup) -> dict:
         "moment_dtype": "fp32" if s.moment_bytes == 4 else "bf16",
         "where": "host" if s.offload_optimizer else "device",
         "muon_params": s.muon_params,
+        "muon_note": " and its staged copy (ZeRO-1/2)" if s.stage in (1, 2) else "",
     }
 
 

@@ -48,7 +48,7 @@ def test_bf16_states_are_two_bytes_of_master_and_four_of_moments_on_the_device(z
     assert low.precision == "bf16" and low.precision_words == "bf16 with bf16 master weights and optimizer states"
     assert low.optimizer_states == {"master_bytes": int(2 * P / 2),
                                     "optimizer_bytes": int(4 * P / 2), "master_dtype": "bf16", "moment_dtype": "bf16",
-                                    "where": "device", "muon_params": 0}  # fmt: skip
+                                    "where": "device", "muon_params": 0, "muon_note": low.optimizer_states["muon_note"]}  # fmt: skip
     # the steady states shrink by (4 + 8) - (2 + 4) = 6 B a parameter over the 2 ranks, nothing else moves
     for phase in ("forward_backward",):
         saved = plain.phases[phase]["model_states_bytes"] - low.phases[phase]["model_states_bytes"]
@@ -101,7 +101,7 @@ def test_autocast_keeps_fp32_states_and_traces_its_activations_under_autocast():
 
 def test_muon_matrices_keep_one_momentum_buffer():
     """2-D parameters outside the embedding and head take Muon (deepspeed/__init__.py set_optimizer_flags) with one
-    momentum buffer in the gradient's dtype; the rest keep Adam's two fp32 moments."""
+    momentum buffer in the gradient's dtype (ZeRO-1/2: and its staged copy); the rest keep Adam's two fp32 moments."""
     from zero_recipes.modeling.model import meta_model
 
     model = meta_model(small_llama())
@@ -110,12 +110,16 @@ def test_muon_matrices_keep_one_momentum_buffer():
         p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
     )
     assert muon == expected and 0 < muon < P
-    adam, mu = states_of("zero2.json"), states_of("zero2.json", "muon.json")
+    adam, mu = states_of("zero3.json"), states_of("zero3.json", "muon.json")
     assert mu.optimizer_states["muon_params"] == muon
     assert mu.optimizer_states["optimizer_bytes"] == int((8 * (P - muon) + 4 * muon) / 2)
     assert adam.optimizer_states["optimizer_bytes"] - mu.optimizer_states["optimizer_bytes"] == pytest.approx(
         4 * muon / 2, abs=2
     )
+    # ZeRO-2 stages a second momentum: in fp32 as many bytes as Adam's two moments, in bf16 half of them
+    assert states_of("zero2.json", "muon.json").optimizer_states["optimizer_bytes"] == int(8 * P / 2)
+    bf16 = states_of("zero2.json", "bf16.json", "muon.json").optimizer_states["optimizer_bytes"]
+    assert bf16 == int((8 * (P - muon) + 4 * muon) / 2)
 
 
 ZENFLOW = {"zenflow": {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True}}
