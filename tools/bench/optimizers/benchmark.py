@@ -90,8 +90,11 @@ def measure(sizes: dict, rounds: int) -> dict:
                 run = train_once(runner, size, tmp / f"{name}-{r}-{runner}")
                 rates[-1][runner] = [tokens / s for s in run["window_seconds"][1:]]
                 losses[runner].append(run)
-                print(f"  {name} round {r + 1}/{rounds} {runner}: loss {run['loss'][-1]:.3f}, "
-                      f"{statistics.median(rates[-1][runner]):,.0f} tokens/s", flush=True)
+                print(
+                    f"  {name} round {r + 1}/{rounds} {runner}: loss {run['loss'][-1]:.3f}, "
+                    f"{statistics.median(rates[-1][runner]):,.0f} tokens/s",
+                    flush=True,
+                )
         memory = {runner: probe_once(runner, size, tmp / f"{name}-probe-{runner}") for runner in names}
         flat = {runner: [x for m in rates for x in m[runner]] for runner in names}
         out[name] = {
@@ -135,8 +138,12 @@ def markdown(r: dict) -> str:
     la = r["load_average"]
     lines += [
         f"Host load (1-min average): {la['start']:.2f} at the start, {la['end']:.2f} at the end"
-        + (" — **loaded** (over 1.5): other work shared the cores, so tokens/s is noisier than a quiet host's "
-           "(the paired ratios cancel slow drift, not contention)." if la["loaded"] else " (quiet)."),
+        + (
+            " — **loaded** (over 1.5): other work shared the cores, so tokens/s is noisier than a quiet host's "
+            "(the paired ratios cancel slow drift, not contention)."
+            if la["loaded"]
+            else " (quiet)."
+        ),
         "",
         "| model | optimizer | steps | tokens | loss at the last step (median, min–max over rounds) | tokens/s (median, min–max) | optimizer state bytes (probe) |",
         "|---|---|---|---|---|---|---|",
