@@ -14,12 +14,7 @@ bench/gpu/parts.py):
 5. MoE: moe/benchmark.py's GPU Mixtral (1.1B parameters, 8 experts, 2 per token) under ZeRO-2 on one GPU, the same;
 6. DPO 8B: train.py's DPO with the 8B DPO recipe (or the 8B LoRA recipe with --objective dpo) at the
    Llama-3.1-8B shape, random init, generated pairs, 6 steps: pairs/s, peak memory, the reference pass's seconds;
-7. ZeRO-3: as 1, if the time budget still allows;
-8-11. DeepSpeed's newer knobs against their published claims (bench/gpu/knobs.py): Muon and bf16 states against
-   AdamW on ZeRO-2 (loss at equal steps, peak), DeepCompile against ZeRO-3, ZenFlow against ZeRO-Offload,
-   SuperOffload against ZeRO-3 offload (tokens/s). Not in the default run, whose budget 1-7 spend: named with
-   `--parts`, one device command each: `--parts "Muon, bf16 states" DeepCompile` (about 5.5 min estimated) and
-   `--parts ZenFlow SuperOffload` (about 7 min).
+7. ZeRO-3: as 1, if the time budget still allows.
 The plan, with each part's time estimate, is printed first. The report (md and json) is written before the
 first part and again as each part ends, so a run killed at the device's command limit keeps every finished
 part. No run saves a checkpoint (bench/runners/unsaved_train.py): nothing here reads one, and a 1B model's is ~17 GB.
@@ -40,7 +35,7 @@ import traceback
 from pathlib import Path
 
 from ..common import REPO, new_report, write_report
-from . import knobs, parts
+from . import parts
 from .report import markdown
 
 # name: (what, seconds on one H200, seconds --quick on 2 CPU cores, the part), in the order they run: the most
@@ -60,22 +55,6 @@ PARTS = {
     "DPO 8B": ("train.py's DPO at the Llama-3.1-8B shape, its recipe, 4 steps", 100, 45, parts.dpo_8b),
     "ZeRO-3": ("the dense Llama, ZeRO-3 (if time allows)", 65, 25, lambda s, tmp, t: parts.dense(s, "zero3", tmp, t)),
 }
-# DeepSpeed's newer knobs (bench/gpu/knobs.py), each against its baseline at the dense shape: not in the default
-# run (its budget is spent), so a command of their own names them (--parts); their H200 seconds are guesses too.
-# ZenFlow and SuperOffload step on the host: DeepSpeed's CPU Adam op is JIT-built by their first run
-KNOB_PARTS = {
-    "Muon, bf16 states": ("AdamW, Muon and bf16 states on ZeRO-2: loss at equal steps, peak", 140, 40, knobs.part("Muon, bf16 states")),
-    "DeepCompile": ("ZeRO-3 with and without DeepCompile: tokens/s", 180, 8, knobs.part("DeepCompile")),
-    "ZenFlow": ("ZeRO-Offload with and without ZenFlow: tokens/s (CPU Adam's JIT build first)", 230, 8, knobs.part("ZenFlow")),
-    "SuperOffload": ("ZeRO-3 offload with and without SuperOffload: tokens/s", 190, 8, knobs.part("SuperOffload")),
-}  # fmt: skip
-
-
-def all_parts() -> dict:
-    """The default run's parts, then the knobs --parts may name."""
-    return PARTS | KNOB_PARTS
-
-
 BUDGET = 450  # seconds from the start, parts included: with OVERHEAD and the report, under 8 minutes
 OVERHEAD = 15  # seconds outside the parts: the interpreter's start, the report's header and its writes
 LIMIT = 480  # what the whole script must keep to on one H200 (the device allows 600 s a command)
@@ -101,21 +80,20 @@ SKIPPED = [
 ]
 
 
-def seconds_of(quick: bool, names=None) -> dict[str, int]:
-    """Each part's estimated seconds, of `names` (default: the default run's PARTS)."""
-    return {name: all_parts()[name][2] if quick else all_parts()[name][1] for name in names or PARTS}
+def seconds_of(quick: bool) -> dict[str, int]:
+    return {name: p[2] if quick else p[1] for name, p in PARTS.items()}
 
 
-def plan_lines(s: dict, quick: bool, budget: int = BUDGET, names=None) -> list[str]:
-    est = seconds_of(quick, names)
+def plan_lines(s: dict, quick: bool, budget: int = BUDGET) -> list[str]:
+    est = seconds_of(quick)
     where = "on 2 CPU cores (--quick: tiny shapes, fp32)" if quick else "on one H200"
     dense = "Llama-3.2-1B shape" if s["dense"] else "the embedded tiny Llama"
     lines = [
-        f"plan: {len(est)} parts, about {(sum(est.values()) + OVERHEAD) / 60:.1f} min {where}; the dense Llama: "
+        f"plan: {len(PARTS)} parts, about {(sum(est.values()) + OVERHEAD) / 60:.1f} min {where}; the dense Llama: "
         f"{dense}, {s['precision']}, {s['micro']} x {s['block']} tokens a step, {s['steps']} steps"
     ]
-    for i, name in enumerate(est, 1):
-        lines.append(f"  {i}. {name}: {all_parts()[name][0]}, ~{est[name]} s")
+    for i, (name, (what, *_)) in enumerate(PARTS.items(), 1):
+        lines.append(f"  {i}. {name}: {what}, ~{est[name]} s")
     if not quick:
         lines.append(
             f"  budget {budget / 60:.1f} min from the start: a part whose estimate no longer fits is skipped; each "
@@ -130,7 +108,7 @@ def run_part(name: str, s: dict, tmp: Path, timeout: int) -> dict:
     started, err = time.monotonic(), io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            result = {"status": "ok", **all_parts()[name][3](s, tmp, timeout)}
+            result = {"status": "ok", **PARTS[name][3](s, tmp, timeout)}
     except (Exception, SystemExit) as e:  # noqa: BLE001 -- a part's failure is a result; the next part runs
         text = err.getvalue() + ("" if isinstance(e, SystemExit) else traceback.format_exc())
         print(text[-3000:], file=sys.stderr)
@@ -139,11 +117,11 @@ def run_part(name: str, s: dict, tmp: Path, timeout: int) -> dict:
     return result
 
 
-def run_parts(s: dict, quick: bool, tmp: Path, budget: int, started: float, record, names=None) -> tuple[dict, list]:
-    """The parts `names` (default: all) in order within the budget (counted from `started`); `record(results,
-    skipped)` after each one, so what has finished is on disk before the next begins."""
-    est, results, skipped = seconds_of(quick, names), {}, []
-    for name in names or PARTS:
+def run_parts(s: dict, quick: bool, tmp: Path, budget: int, started: float, record) -> tuple[dict, list]:
+    """Every part in order within the budget (counted from `started`); `record(results, skipped)` after each
+    one, so what has finished is on disk before the next begins."""
+    est, results, skipped = seconds_of(quick), {}, []
+    for name in PARTS:
         left = budget - (time.monotonic() - started)
         if not quick and left < est[name]:
             skipped.append((name, f"time budget: {left:.0f} s of {budget} s left, the part needs about {est[name]} s"))
@@ -187,13 +165,8 @@ def cmd_gpu(args) -> int:
         print("error: no CUDA GPU here; this benchmark needs one (an H100/H200: 989 TFLOP/s bf16), or --quick", file=sys.stderr)  # fmt: skip
         return 2
     s = parts.QUICK if args.quick else parts.FULL
-    asked = getattr(args, "parts", None)
-    names = [n for n in all_parts() if n in asked] if asked else list(PARTS)
-    if unknown := sorted(set(asked or ()) - set(all_parts())):
-        print(f"error: --parts {', '.join(unknown)}: no such part; the parts are {', '.join(all_parts())}", file=sys.stderr)  # fmt: skip
-        return 2
-    print("\n".join(plan_lines(s, args.quick, args.budget, names)), flush=True)
-    est = seconds_of(args.quick, names)
+    print("\n".join(plan_lines(s, args.quick, args.budget)), flush=True)
+    est = seconds_of(args.quick)
     report = new_report(
         settings={k: v for k, v in s.items() if k != "sft"} | {"quick": args.quick, "budget_seconds": args.budget},
         plan={"seconds": est, "total_seconds": sum(est.values()), "overhead_seconds": OVERHEAD},
@@ -203,7 +176,7 @@ def cmd_gpu(args) -> int:
     def record(results: dict, budget_skips: list) -> None:  # the report so far, md and json, each part as it ends
         report.update(
             parts=dict(results),
-            pending=[n for n in names if n not in results],
+            pending=[n for n in PARTS if n not in results],
             skipped=[{"what": w, "why": y} for w, y in SKIPPED + budget_skips],
             wall_seconds=time.monotonic() - started,
         )
@@ -213,7 +186,7 @@ def cmd_gpu(args) -> int:
     print(f"the report, rewritten as each part ends: {Path(args.out_dir).resolve() / name}.md and .json", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-gpu-"))
     try:
-        results, _ = run_parts(s, args.quick, tmp, args.budget, started, record, names)
+        results, _ = run_parts(s, args.quick, tmp, args.budget, started, record)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the ZeRO-2 export and the SFT data: gigabytes on the device
     failed = [n for n, r in results.items() if r["status"] == "failed"]
@@ -230,5 +203,4 @@ def add_parsers(sub) -> None:
     g.add_argument(
         "--budget", type=int, default=BUDGET, help=f"seconds from the start the full run keeps to (default {BUDGET})"
     )
-    g.add_argument("--parts", nargs="+", help="these parts, by name (default: parts 1-7; 8-11 only when named)")
     g.set_defaults(func=cmd_gpu)

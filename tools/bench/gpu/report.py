@@ -128,37 +128,6 @@ def dpo_section(r: dict | None) -> list[str]:
     ]
 
 
-KNOB_PARTS = ("Muon, bf16 states", "DeepCompile", "ZenFlow", "SuperOffload")  # bench/gpu/knobs.py
-
-
-def knob_section(parts: dict) -> list[str]:
-    """DeepSpeed's newer knobs, each run against its baseline at the dense part's shape, beside the claim it names."""
-    ran = {n: parts[n] for n in KNOB_PARTS if n in parts}
-    if not ran:
-        return []
-    lines = ["## DeepSpeed's optimizer and precision knobs against their claims (bench/gpu/knobs.py)", ""]
-    for name, r in ran.items():
-        if r["status"] == "needs CUDA":
-            lines += [f"**{name}**: needs CUDA, refused here in one line: `{r['refusal']}`", ""]
-            continue
-        if r["status"] != "ok":
-            lines += [f"**{name}**: {not_ok(name, r)}", ""]
-            continue
-        lines += [
-            f"**{name}** (against {r['baseline']}). Claim: {r['claim']}.",
-            "",
-            "| run | tokens/s | vs baseline | final loss | measured peak | vs baseline | estimate vs baseline |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for run, x in r["runs"].items():
-            lines.append(
-                f"| {run} | {x['tokens_per_sec']:,.0f} | {x['tokens_per_sec_vs_baseline']:.2f}x | {x['final_loss']:.3f} "
-                f"| {size(x['peak_bytes'])} | {pct(x['peak_vs_baseline'])} | {pct(x['estimate_vs_baseline'])} |"
-            )
-        lines.append("")
-    return lines
-
-
 def error_line(error: str) -> str:
     """The error's first line (what failed, or timed out) and its last (the child's last words), the full text
     in the JSON."""
@@ -208,7 +177,6 @@ def markdown(r: dict) -> str:
         *shapes_table(parts.get("TP/SP/PP shapes")),
         *sft_section(parts.get("SFT vs TRL")),
         *dpo_section(parts.get("DPO 8B")),
-        *knob_section(parts),
         "## Failures",
         "",
     ]
