@@ -27,8 +27,9 @@ from zero_recipes.parallel.mesh import Mesh
 from zero_recipes.parallel.sequence_parallel import check_split
 
 from ..errors import ConfigError
-from . import host_memory, moe as moe_memory, offload_variants
+from . import host_memory, moe as moe_memory, offload_variants, preloaded as preloaded_model
 from .activations import Activations, activation_bytes
+from .launch import Launch
 from .shape import ModelShape
 from .states import PHASES, Setup, adam_temporaries, live_parameter_cap, optimizer_states, phases
 
@@ -66,38 +67,6 @@ def parse_memory(text: str) -> int:
     unit = (m.group(2) or "").lower()
     unit = unit if unit.endswith("b") or unit == "" else unit + "b"
     return int(float(m.group(1)) * UNITS[unit])
-
-
-@dataclass
-class Launch:
-    num_gpus: int = 1  # per node
-    num_nodes: int = 1
-    micro_batch_size: int = 1
-    seq_len: int = 2048
-    gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
-    accelerator: str = "gpu"
-    """"gpu": device and host apart, by DeepSpeed's GPU code path (states.gpu_phases). "cpu": the CPU accelerator's
-    one pool (states.cpu_phases), for checking against CPU runs."""
-    optim: str = "adamw_torch_fused"
-    """train.py's --optim: the optimizer step's temporaries follow it (states.adam_temporaries)."""
-    optimizer_temporaries: int | None = None
-    """Bytes per stepped element the optimizer step allocates, for another project's optimizer (torch's
-    single-tensor AdamW 8, foreach 4, fused 0). None: train.py's, by `optim` and the accelerator."""
-    tiled_loss: bool = True
-    """train.py's --tiled_loss: the head and loss over tiles once a micro-batch has more tokens than one tile."""
-    loss_tile_tokens: int = 0
-    """train.py's --loss_tile_tokens (0: one tile's fp32 logits at most 256 MiB)."""
-    tiled_mlp: bool = False
-    """train.py's --tiled_mlp: every MLP through DeepSpeed's TiledMLP."""
-    objective: str = "lm"
-    """train.py's --objective: "dpo" traces a preference step (memory/objective.py; its loss is never tiled)."""
-    expert_imbalance: float = moe_memory.EXPERT_IMBALANCE
-    """Under expert parallelism: the most-loaded rank's routed rows over the balanced tokens x k (memory/moe.py)."""
-
-    @property
-    def world(self) -> int:
-        return self.num_gpus * self.num_nodes
 
 
 @dataclass
@@ -191,6 +160,7 @@ def estimate(
             launch.gradient_checkpointing,
             launch.expert_imbalance,
         )
+    by_phase = preloaded_model.adjust(by_phase, setup, shape, launch.preloaded, launch.gradient_checkpointing)
     table = phase_table(
         {
             "init": [(by_phase["init"], 0)],
@@ -201,6 +171,8 @@ def estimate(
         }
     )
     e = _result(table, held, setup, ds_precision(ds), launch, mesh, gpu_memory, activations.method)
+    if launch.preloaded is not None:
+        e.notes.append(preloaded_model.note(setup, shape, launch.preloaded, launch.gradient_checkpointing))
     if experts is not None:
         e.moe = {**experts.as_json(), "expert_imbalance": launch.expert_imbalance if experts.ep > 1 else None}
     return _described(e, ds, setup)
@@ -276,7 +248,8 @@ def _result(table: dict, shape, setup: Setup, precision: str, launch, mesh, gpu_
     """The Estimate of one rank's phase table: its peak phase, the host memory per node and the verdict."""
     peak_phase = max(PHASES, key=lambda n: table[n]["device_bytes"])
     top = table[peak_phase]
-    per_node = host_memory.per_node(table, shape, setup, phases(setup)["init"].host_buffers, launch.num_gpus)
+    load = launch.preloaded.load_bytes if launch.preloaded else None
+    per_node = host_memory.per_node(table, shape, setup, phases(setup)["init"].host_buffers, launch.num_gpus, load)
     per_gpu = {
         "peak_bytes": top["device_bytes"],
         "peak_phase": peak_phase,
@@ -344,6 +317,7 @@ def _setup(shape: ModelShape, dp: int, ds: dict, launch: Launch) -> Setup:
     precision = ds_precision(ds)
     off_opt, off_par = offloads(ds)
     master, moment = state_bytes(ds)
+    moment = launch.moment_bytes if launch.moment_bytes is not None else moment
     return Setup(
         shape.num_params,
         shape.largest_param,

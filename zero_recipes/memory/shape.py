@@ -28,6 +28,11 @@ class ModelShape:
     muon_params: int = 0
     """The parameters DeepSpeed's Muon steps with Muon: 2-D or more, their names free of "embed" and "lm_head"
     (deepspeed/__init__.py `set_optimizer_flags`); counted for full fine-tuning without TP (0 otherwise)."""
+    linear_params: int = 0
+    """The weights every nn.Linear of the model (the head too) multiplies by: what torch's linear can keep
+    gathered under ZeRO-3 for a model built before DeepSpeed (preloaded.py); 0 under TP (not modelled)."""
+    head_params: int = 0
+    """The output head's weight (the embedding's, when tied)."""
 
     @property
     def model_params(self) -> int:
@@ -59,8 +64,10 @@ class ModelShape:
                 vocab_parallel=s.vocab_parallel,
             )
         quantized = [m.weight.numel() for _, m in quantized_linears(model)] if load_in_4bit else []
+        linears = linear_counts(model)
         if lora is None:
-            return cls(num_params(model), max(p.numel() for p in model.parameters()), muon_params=muon_count(model))
+            return cls(num_params(model), max(p.numel() for p in model.parameters()), muon_params=muon_count(model),
+                       linear_params=linears[0], head_params=linears[1])  # fmt: skip
         from peft import get_peft_model
 
         model = get_peft_model(model, copy.deepcopy(lora), autocast_adapter_dtype=False)
@@ -72,7 +79,18 @@ class ModelShape:
             max((p.numel() for p in trainable), default=0),
             sum(quantized),
             max(quantized, default=0),
+            linear_params=linears[0],
+            head_params=linears[1],
         )
+
+
+def linear_counts(model) -> tuple[int, int]:
+    """(weights of every nn.Linear, the output head's weight), counted before any adapter wraps the model."""
+    import torch
+
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    return linear, head.weight.numel() if head is not None else 0
 
 
 def muon_count(model) -> int:

@@ -74,8 +74,18 @@ def estimate_case(case: dict):
         case.get("attn_implementation") or "sdpa",
         optimizer_temporaries=ADAM_TEMPORARIES[case.get("optimizer") or "fused"],
         tiled_loss=False,  # these projects compute the whole vocabulary's logits at once; train.py tiles them
+        preloaded=preloaded_of(case),
     )
     return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30))
+
+
+def preloaded_of(case: dict):
+    """A case whose script builds the model before DeepSpeed (`"zero_init": false`), with the DeepSpeed it ran."""
+    from zero_recipes.memory.preloaded import Preloaded, version_tuple
+
+    if case.get("zero_init", True):
+        return None
+    return Preloaded(version_tuple(case["deepspeed_version"]), load_bytes=case.get("load_bytes", 4))
 
 
 def score(case: dict, estimate_bytes: int) -> dict:
