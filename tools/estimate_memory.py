@@ -56,6 +56,7 @@ with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
 from zero_recipes.errors import ConfigError
+from zero_recipes.memory import stack
 from zero_recipes.memory.from_args import loader, one
 from zero_recipes.memory.table import gpu_counts, table
 from zero_recipes.memory.table_text import WIDTH, gb, longest, render
@@ -251,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--tiled_mlp", choices=["true", "false"], help="train.py's --tiled_mlp (default false)")
     lora_arguments(ap.add_argument_group("LoRA (train.py's options; a recipe's lora: block works too)"))
+    stack.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object, sizes in bytes")
     ap.add_argument("--table", action="store_true", help="GPU counts x configs x checkpointing; recommends one")
     ap.add_argument(
@@ -304,6 +306,7 @@ def check_args(args) -> None:
                           f"{args.expert_imbalance}")  # fmt: skip
     if not (0 < args.mfu <= 1):
         raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.4; got {args.mfu}")
+    stack.check(args)
 
 
 def table_gpus(text: str) -> tuple[int, ...] | str:

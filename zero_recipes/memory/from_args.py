@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..modeling import lm_loss
-from . import objective
+from . import objective, stack
 from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
 
@@ -84,6 +84,7 @@ def train_argv(args, deepspeed: list[str], micro: int | None) -> list[str]:
         value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name}", str(value).lower()]
+    argv += stack.train_argv(args)
     if deepspeed:
         argv += ["--deepspeed", *deepspeed]
     return argv
@@ -102,7 +103,11 @@ def model_config(args, cfg):
         raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
     if config_file and cfg.lora_r <= 0:
         check_config_file(config_file)
-    config = modeling.load_model_config(cfg)
+    import dataclasses
+
+    # the length is checked here, in the tool's words, against the context RoPE scaling extends it to
+    config = modeling.load_model_config(dataclasses.replace(cfg, block_size=1))
+    stack.scaled_positions(args, config, cfg.block_size)
     hidden = modeling.hidden_size(config)
     if not hidden:
         raise ConfigError(
@@ -172,25 +177,11 @@ def check_config_file(path: str) -> None:
 
 def one(args, gpu_memory):
     """The estimate of the one run the arguments describe, with its notes: (Estimate, TrainConfig, model config)."""
-    from .estimate import Launch, estimate
+    from .estimate import estimate
 
     world = args.num_gpus * args.num_nodes
     cfg, config, ds, notes = load(args, args.deepspeed, world)
-    launch = Launch(
-        args.num_gpus,
-        args.num_nodes,
-        cfg.per_device_train_batch_size,
-        cfg.block_size,
-        cfg.gradient_checkpointing,
-        cfg.attn_implementation or "sdpa",
-        tiled_loss=lm_loss.tiles_loss(cfg),
-        loss_tile_tokens=cfg.loss_tile_tokens,
-        tiled_mlp=cfg.tiled_mlp,
-        optim=cfg.optim,
-        objective=cfg.objective,
-    )
-    if getattr(args, "expert_imbalance", None):
-        launch.expert_imbalance = args.expert_imbalance
+    launch = stack.launch_of(args, cfg, config, args.num_gpus, cfg.gradient_checkpointing)
     e = estimate(config, ds, launch, gpu_memory=gpu_memory, lora=lora_of(cfg), load_in_4bit=cfg.load_in_4bit)
     if e.tensor_parallel > args.num_gpus:
         notes.append(
@@ -202,7 +193,12 @@ def one(args, gpu_memory):
             f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
             "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
         )
+    if launch.loss_tile_tokens != cfg.loss_tile_tokens:  # --liger's chunks
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, tiled_loss=True, loss_tile_tokens=launch.loss_tile_tokens)
     e.notes = notes + e.notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(cfg, config, e.sequence_parallel))
+    e.notes += stack.notes(args)
     return e, cfg, config
 
 

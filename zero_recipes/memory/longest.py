@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from zero_recipes.config import shipped
-from zero_recipes.modeling import lm_loss
 
 # The longest sequence: sequence parallelism over all GPUs of one node, at these counts, under ZeRO-3
 LONGEST_GPUS = (1, 2, 4, 8)
@@ -99,7 +98,7 @@ def longest_rows(
     import tempfile
 
     from ..errors import ConfigError
-    from .estimate import Launch
+    from . import stack
 
     shape = _shape(config)
     rows = []
@@ -114,17 +113,7 @@ def longest_rows(
                                  "seq_len": None, "refused": str(err).split(";")[0]})  # fmt: skip
                 continue
             for gc in (False, True):
-                launch = Launch(
-                    n,
-                    args.num_nodes,
-                    cfg.per_device_train_batch_size,
-                    cfg.block_size,
-                    gc,
-                    cfg.attn_implementation or "sdpa",
-                    tiled_loss=lm_loss.tiles_loss(cfg),
-                    loss_tile_tokens=cfg.loss_tile_tokens,
-                    tiled_mlp=cfg.tiled_mlp,
-                )
+                launch = stack.launch_of(args, cfg, config, n, gc)
                 said = f"longest sequence on {n} GPU(s), checkpointing {'on' if gc else 'off'}: trying"
                 told = progress and (lambda seq, said=said: progress(f"{said} {seq:,} tokens"))
                 found = longest_sequence(config, ds_n, launch, gpu_memory, shape, told)

@@ -42,8 +42,9 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
 
     from zero_recipes.ds.facts import precision
 
+    from . import stack
     from .activations import activation_bytes
-    from .estimate import Launch, Precomputed, estimate
+    from .estimate import Precomputed, estimate
     from .shape import ModelShape
 
     args = copy.copy(args)
@@ -61,8 +62,7 @@ def advise(args, cfg, config, gpu_memory: int, load) -> dict:
             if acts is None:
                 a = activation_bytes(config, 1, cfg.block_size, dtype, gc, cfg.attn_implementation or "sdpa")
                 acts = dataclasses.replace(a, bytes=a.bytes * cfg.per_device_train_batch_size)
-            launch = Launch(args.num_gpus, args.num_nodes, cfg.per_device_train_batch_size, cfg.block_size, gc)
-            launch.expert_imbalance = getattr(args, "expert_imbalance", None) or launch.expert_imbalance
+            launch = stack.launch_of(args, cfg, config, args.num_gpus, gc)
             e = estimate(config, ds, launch, gpu_memory, precomputed=Precomputed(shape, acts))
             cells.append(
                 {"config": name, "expert_parallel": ep, "gradient_checkpointing": gc}

@@ -285,10 +285,11 @@ def cell_estimator(args, cfg, config, gpu_memory: int):
     activations (traced at micro-batch 1; a pipeline's per stage) scaled by the micro-batch."""
     import dataclasses
 
-    from .estimate import Launch, Precomputed, estimate
+    from . import stack
+    from .estimate import Precomputed, estimate
 
     def run(v, ds_n, n, gc, micro):
-        launch = Launch(n, args.num_nodes, micro, cfg.block_size, gc, objective=cfg.objective)
+        launch = stack.launch_of(args, cfg, config, n, gc, micro)
         if v["pp"] > 1:
             stages = [a.scaled(micro) for a in v["acts"][gc]]
             return estimate(config, ds_n, launch, gpu_memory, precomputed=Precomputed(v["shape"], stage_traces=stages))
