@@ -21,11 +21,12 @@ Many scripts do not: the HF Trainer whenever `from_pretrained` runs before `Trai
   A module passed in already built did not, until PR #8189 (0.19.4, "Enable ZeRO-3 linear wrapper for existing
   models"): torch's own linear saves `weight.t()`, a view of the gathered storage, for the input's gradient, so
   when ZeRO-3 releases the parameter after its forward (`param.data` emptied) the view keeps the whole gathered
-  weight alive until that layer's backward. Without checkpointing, every linear weight is gathered at once at the
-  start of the backward (p bytes each); with it, the checkpointed layers run their forward under no_grad and save
-  nothing, and only what runs outside them (the output head) is held. The published runs that load the model
-  first (gpjt's Llama-3-8B ZeRO-3 sweeps, DeepSpeed 0.14) show it: 33-36 GiB at a sequence of 1 token without
-  checkpointing, where the states are 15 GiB.
+  weight alive until that layer's backward. Without checkpointing, every linear weight is then held at the start
+  of the backward (p bytes each), of which ZeRO-3 would have kept the last layers' anyway (its live-parameter
+  cap); with checkpointing, the checkpointed layers run their forward under no_grad and save nothing, and only
+  the output head, which ZeRO-3 usually keeps gathered for its backward anyway, is held. gpjt's Llama-3-8B
+  sweeps (DeepSpeed 0.14, model loaded first) show it: 33-36 GiB at a sequence of 1 token without checkpointing,
+  where the states are 15 GiB.
 """
 
 from __future__ import annotations
@@ -72,13 +73,22 @@ def init_device_bytes(stage: int, p: int, held_params: int, largest: int, shards
     return int(p * held_params + p * largest / shards)
 
 
-def retained_linear_bytes(stage: int, p: int, pre: Preloaded, linear_params: int, head_params: int,
-                          checkpointing: bool) -> int:  # fmt: skip
-    """Gathered linear weights that torch's linear keeps alive through the forward (module docstring), on top of
-    what ZeRO-3 itself keeps gathered. 0 from DeepSpeed 0.19.4 on, or below ZeRO-3."""
-    if stage < 3 or pre.linear_wrapped:
+def retained_linear_bytes(setup, pre: Preloaded, linear_params: int, head_params: int, checkpointing: bool) -> int:
+    """Gathered linear weights that torch's linear keeps alive into the backward (module docstring), beyond what
+    ZeRO-3 keeps gathered there anyway: it releases a parameter after its forward only past
+    stage3_max_reuse_distance and stage3_max_live_parameters, so the last layers' weights are held either way, and
+    the estimate already counts up to that cap gathered in the forward (states_gpu.py `_gathered`). Measured on
+    the CPU with real ZeRO-3 on 2 ranks and torch's linear put back (model B, bf16): +2 B for every linear weight
+    with nothing kept gathered, that minus what the live cap keeps with one, and with checkpointing nothing once
+    the cap holds the head. 0 from DeepSpeed 0.19.4 on, or below ZeRO-3."""
+    from .states import Inputs
+    from .states_gpu import _gathered
+
+    if setup.stage < 3 or pre.linear_wrapped:
         return 0
-    return p * (head_params if checkpointing else linear_params)
+    t = Inputs.of(setup)
+    held = setup.bytes_per_param * (head_params if checkpointing else linear_params)
+    return int(max(0.0, held - _gathered(t) * t.P))
 
 
 def note(setup, shape, pre: Preloaded, checkpointing: bool) -> str:
@@ -89,7 +99,7 @@ def note(setup, shape, pre: Preloaded, checkpointing: bool) -> str:
             f"({host_copy / 2**30:.2f} GiB)")  # fmt: skip
     if stage < 3:
         return text
-    kept = retained_linear_bytes(stage, p, pre, shape.linear_params, shape.head_params, checkpointing)
+    kept = retained_linear_bytes(setup, pre, shape.linear_params, shape.head_params, checkpointing)
     version = ".".join(map(str, pre.deepspeed_version))
     text += (
         f"; ZeRO-3 moves it whole to each GPU before partitioning it ({p * setup.num_params / 2**30:.2f} GiB at init)"
@@ -115,7 +125,7 @@ def adjust(by_phase: dict, setup, shape, pre: Preloaded | None, checkpointing: b
     whole = init_device_bytes(stage, p, setup.num_params, setup.largest_param, setup.world)
     if whole > init.device:
         out["init"] = replace(init, buffers=init.buffers + whole - init.device)
-    kept = retained_linear_bytes(stage, p, pre, shape.linear_params, shape.head_params, checkpointing)
+    kept = retained_linear_bytes(setup, pre, shape.linear_params, shape.head_params, checkpointing)
     for name in ("forward", "forward_backward"):
         out[name] = replace(out[name], buffers=out[name].buffers + kept)
     return out
