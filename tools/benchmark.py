@@ -19,6 +19,9 @@
     # tools/estimate_memory.py against published GPU measurements (benchmarks/estimator-gpu-public.md)
     python tools/benchmark.py estimator-public          # from benchmarks/estimator-gpu-public.json
 
+    # ZeRO-3 on a model built before DeepSpeed: the gathered weights torch's linear keeps (2 ranks, CPU)
+    python tools/benchmark.py estimator-preloaded       # --quick: one setting
+
     # where the step's time goes (torch.profiler): train.py with per-tensor and fused AdamW vs the HF Trainer
     python tools/benchmark.py profile                   # 100M Llama; --quick: tiny model, 6 steps
 
@@ -64,6 +67,7 @@ COMMANDS = {
     "export": "export.benchmark",
     "estimator": "estimator.benchmark",
     "estimator-public": "estimator.public",
+    "estimator-preloaded": "estimator.preloaded",
     "mfu": "speed.benchmark",
     "train": "speed.benchmark",
     "profile": "speed.profile",

@@ -1,4 +1,4 @@
-"""The memory and parallelism benchmarks: tools/benchmark.py lora, parallel, pipeline and longctx --quick under the
+"""The memory and parallelism benchmarks: tools/benchmark.py lora, parallel, pipeline, longctx and estimator-preloaded --quick under the
 allocator profiler, and the export benchmark's memory sampler (the GPU script: test_benchmark_gpu.py). The figures
 themselves are machine-dependent; only their signs, orderings and parities are checked."""
 
@@ -129,3 +129,12 @@ def test_moe_benchmark_quick_measures_zero2_zero3_and_ep2_with_equal_losses(tmp_
         assert x["tokens_per_sec"]["min"] > 0, name
         assert len(x["peak_bytes_by_rank"]) == 2 and min(x["peak_bytes_by_rank"]) > 0, name
         assert x["loss_parity"] and len(x["losses"]) == 3, (name, x["losses"])
+
+
+def test_estimator_preloaded_quick_measures_the_kept_weights_as_estimated(tmp_path):
+    """Real ZeRO-3 on 2 ranks on a model built before deepspeed.initialize, nothing kept gathered: torch's own
+    linear (DeepSpeed before 0.19.4) holds 2 bytes more of every linear weight than DeepSpeed's wrapper, to the
+    byte, and the estimate's term (memory/preloaded.py) is that figure."""
+    r = json.loads(run_quick("estimator-preloaded", tmp_path, timeout=600).read_text())
+    [row] = r["rows"]
+    assert row["torch"] - row["wrapped"] == 2 * row["linear_params"] == row["estimated"]
