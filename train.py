@@ -273,7 +273,9 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
     estimate, line = memory.for_run(plan.model_config, plan.ds, plan.cfg, plan.world)
     free = torch.cuda.get_device_properties(0).total_memory
     log(line)
-    verdict = None if estimate is None else memory.fit_verdict(estimate.per_gpu["peak_bytes"], free)
+    verdict = (
+        None if estimate is None else memory.fit_verdict(estimate.per_gpu["peak_bytes"], free, estimate.zero_stage)
+    )
     if verdict in ("no", "tight"):
         what = (
             "exceeds" if verdict == "no" else "leaves too little room for the CUDA context, NCCL and fragmentation on"

@@ -77,7 +77,7 @@ def optimizer_states_line(o: dict) -> str:
 
 
 def print_one(e, cfg, args, gpu_memory) -> None:
-    from zero_recipes.memory.estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES
+    from zero_recipes.memory.estimate import margin_bytes
 
     g, n = e.per_gpu, e.per_node
     off = ", ".join(f"{k} -> {v}" for k, v in e.offload.items() if v) or "none"
@@ -134,7 +134,7 @@ def print_one(e, cfg, args, gpu_memory) -> None:
                 "yes": f"fits in {gb(gpu_memory)}: yes ({gb(room)} left)",
                 "tight": f"fits in {gb(gpu_memory)}: TIGHT, {gb(room)} left for the CUDA context, NCCL and the "
                 "allocator's fragmentation, which need about "
-                f"{gb(OUTSIDE_ALLOCATOR_BYTES + FRAGMENTATION * g['peak_bytes'])}; it may run out of memory",
+                f"{gb(margin_bytes(g['peak_bytes'], e.zero_stage))}; it may run out of memory",
                 "no": f"fits in {gb(gpu_memory)}: NO",
             }[e.fit]
             + ("" if e.fits else "; try --table to see which config fits")

@@ -43,21 +43,37 @@ UNITS = (
 # What a GPU needs beyond the peak of torch's allocations, which is all the estimate counts. Outside the
 # allocator: the CUDA context with torch's kernels (about 0.3-0.6 GiB with CUDA's lazy loading) and NCCL's
 # communicator buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer). Inside it but not allocated: the caching
-# allocator's fragmentation, reserved minus allocated, 1-7 % in the published runs of
-# benchmarks/estimator-gpu-public.md (79408 vs 78422 MiB on an A100, 21662 vs 20228 MiB on a 24 GB card).
+# allocator's fragmentation, reserved minus allocated. It depends on the stage. ZeRO-0/1/2 allocate the same
+# blocks every step: 1-8 % in the published runs of benchmarks/estimator-gpu-public.md (gpjt's ZeRO-2 sweep: 49946
+# vs 46125 MiB, and 79408 vs 78422 at the largest batch that ran on an 80 GB card; 21662 vs 20228 on a 24 GB
+# card). ZeRO-3 gathers and frees parameters of every size in every layer, and its runs reserve 12-41 % above their
+# allocated peak (gpjt's Llama-3-8B ZeRO-3 sweeps: 55030 vs 49086 MiB, 47368 vs 40890, 37560 vs 26571), 20 % at
+# the largest batch that ran before one more ran out (78068 vs 64870 MiB): under pressure the allocator frees its
+# cache and retries, and 20 % is what it could not give back there.
 # An allocated peak that fits the card but not with this margin is "tight": it may run or run out of memory,
 # and only a launch tells; the verdict never says "fits" there (LlamaFactory #5977 ran out by about that much).
 OUTSIDE_ALLOCATOR_BYTES = 2**30
 FRAGMENTATION = 0.05
+ZERO3_FRAGMENTATION = 0.20
 
 
-def fit_verdict(peak_bytes: int, gpu_memory: int | None) -> str | None:
+def fragmentation(stage: int) -> float:
+    """The caching allocator's reserve above the allocated peak, as a share of it, by ZeRO stage (above)."""
+    return ZERO3_FRAGMENTATION if stage == 3 else FRAGMENTATION
+
+
+def margin_bytes(peak_bytes: int, stage: int) -> int:
+    """What a GPU needs beyond the allocated peak: the CUDA context and NCCL, and the allocator's fragmentation."""
+    return int(OUTSIDE_ALLOCATOR_BYTES + fragmentation(stage) * peak_bytes)
+
+
+def fit_verdict(peak_bytes: int, gpu_memory: int | None, stage: int = 0) -> str | None:
     """'yes', 'tight' (the allocated peak fits, the margin above does not) or 'no'; None without a memory."""
     if gpu_memory is None:
         return None
     if peak_bytes > gpu_memory:
         return "no"
-    return "yes" if peak_bytes * (1 + FRAGMENTATION) + OUTSIDE_ALLOCATOR_BYTES <= gpu_memory else "tight"
+    return "yes" if peak_bytes + margin_bytes(peak_bytes, stage) <= gpu_memory else "tight"
 
 
 def parse_memory(text: str) -> int:
@@ -257,7 +273,7 @@ def _result(table: dict, shape, setup: Setup, precision: str, launch, mesh, gpu_
         "activations_bytes": top["activations_bytes"],
         "buffers_bytes": top["buffers_bytes"],
     }
-    fit = fit_verdict(per_gpu["peak_bytes"], gpu_memory)
+    fit = fit_verdict(per_gpu["peak_bytes"], gpu_memory, setup.stage)
     return Estimate(
         shape.model_params,
         precision,

@@ -34,11 +34,11 @@ def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None, prog
     estimated (each a trace, seconds at a long sequence)."""
     import dataclasses
 
-    from .estimate import FRAGMENTATION, OUTSIDE_ALLOCATOR_BYTES, Precomputed, estimate
+    from .estimate import OUTSIDE_ALLOCATOR_BYTES, Precomputed, estimate, fragmentation
 
     shape = shape or _shape(config)
     tried = {}
-    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (1 + FRAGMENTATION)  # the most a "yes" may peak at
+    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (1 + fragmentation(3))  # the most a "yes" may peak at (ZeRO-3)
 
     def peak(seq: int) -> int:
         if seq not in tried:

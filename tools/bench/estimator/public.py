@@ -101,7 +101,7 @@ def score(case: dict, estimate_bytes: int) -> dict:
     elif kind in UPPER_BOUNDS:
         out["ok"] = est <= gib
     elif kind in ("oom", "fits"):
-        out["verdict"] = fit_verdict(estimate_bytes, int(case["gpu_memory_gib"] * 2**30))
+        out["verdict"] = fit_verdict(estimate_bytes, int(case["gpu_memory_gib"] * 2**30), case["zero_stage"])
         if out["verdict"] == "yes" and case.get("uncertain"):
             # the source leaves a setting open that moves the figure (the length that failed, say): a
             # verdict on the settings assumed is at best "tight", with the reason shown
@@ -141,8 +141,8 @@ def render(cases: list[dict], results: list[dict], env: dict) -> str:
         f"+{BAND['over']:.0%} / -{BAND['under']:.0%} of `max_memory_allocated`; never above an `nvidia-smi` or "
         "`max_memory_reserved` figure (those include the allocator cache and the CUDA context); never the verdict "
         '"fits" where the source ran out of memory, never "does not fit" where it ran. The verdict is "tight" when '
-        "the allocated peak fits the card but not with 1 GiB for the CUDA context and NCCL plus 5 % for the "
-        "allocator's fragmentation (`fit_verdict` in zero_recipes/memory/estimate.py), and at best \"tight\" where the "
+        "the allocated peak fits the card but not with 1 GiB for the CUDA context and NCCL plus the "
+        'allocator\'s fragmentation (5 % of the peak, 20 % under ZeRO-3; `fit_verdict` in zero_recipes/memory/estimate.py), and at best "tight" where the '
         "source leaves open a setting that moves the figure (the reason is shown). A case whose script builds the "
         "model before DeepSpeed is estimated with `--zero_init false` and the DeepSpeed it ran (memory/preloaded.py).",
         "",
