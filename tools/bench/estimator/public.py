@@ -76,7 +76,27 @@ def estimate_case(case: dict):
         tiled_loss=False,  # these projects compute the whole vocabulary's logits at once; train.py tiles them
         preloaded=preloaded_of(case),
     )
-    return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30))
+    if case.get("liger"):  # Liger's fused linear cross-entropy, as tools/estimate_memory.py --liger true
+        from zero_recipes.memory.stack import liger_chunk
+
+        launch.tiled_loss = True
+        launch.loss_tile_tokens = liger_chunk(case["micro_batch_size"] * case["seq_len"], config)
+    lora = lora_of(case)
+    return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30), lora=lora,
+                    load_in_4bit=bool(case.get("load_in_4bit")))  # fmt: skip
+
+
+def lora_of(case: dict):
+    """A case's `"lora"` block as the peft LoraConfig train.py would build (r, alpha, dropout, target_modules,
+    modules_to_save); None for full fine-tuning."""
+    block = case.get("lora")
+    if not block:
+        return None
+    from peft import LoraConfig
+
+    targets = block.get("target_modules", "all-linear")
+    return LoraConfig(r=block["r"], lora_alpha=block.get("alpha", block["r"]), lora_dropout=block.get("dropout", 0.0),
+                      target_modules=targets, modules_to_save=block.get("modules_to_save"), task_type="CAUSAL_LM")  # fmt: skip
 
 
 def preloaded_of(case: dict):
@@ -116,7 +136,14 @@ def score(case: dict, estimate_bytes: int) -> dict:
 def setup_text(case: dict) -> str:
     offload = "+".join(k.split("_")[1] for k in ("offload_optimizer", "offload_param") if case.get(k)) or "none"
     gc = {True: "GC", False: "no GC", None: "GC ?"}[case.get("gradient_checkpointing")]
-    return (
+    extra = ""
+    if case.get("lora"):
+        extra += f"{'QLoRA' if case.get('load_in_4bit') else 'LoRA'} r {case['lora']['r']}, "
+    if case.get("liger"):
+        extra += "Liger, "
+    if case.get("zero_init") is False:
+        extra += f"model built first (DeepSpeed {case['deepspeed_version']}), "
+    return extra + (
         f"{case['num_gpus'] * case.get('num_nodes', 1)}x {case['gpu']}, ZeRO-{case['zero_stage']}, offload {offload}, "
         f"{case['precision']}, mb {case['micro_batch_size']} x {case['seq_len']}, {gc}, "
         f"attn {case.get('attn_implementation') or '? (sdpa assumed)'}, optimizer {case.get('optimizer') or '? (fused)'}"
