@@ -107,6 +107,7 @@ def trace_peak(
     tiled_mlp: bool = False,
     objective: str = "lm",
     autocast: str | None = None,
+    liger: bool = False,
 ) -> int:
     """`seq_len` is the whole sequence; with `sp` > 1 the model runs on its seq_len/sp slice with Ulysses'
     attention (sequence_parallel.ulysses_attention). `loss_tile`: None, the model's own loss; else train.py's
@@ -115,7 +116,8 @@ def trace_peak(
     pairs of seq_len tokens in one row, through DPO's own step (memory/objective.py). `autocast` ("bfloat16",
     "float16"): the forward and backward inside torch.autocast, as DeepSpeed's `torch_autocast` runs them
     (engine.py `forward` under torch_autocast.py `autocast_if_enabled`): each Linear computes in that dtype from
-    a cast of its fp32 weight (autocast's cache keeps the casts until the region ends), the rest in fp32."""
+    a cast of its fp32 weight (autocast's cache keeps the casts until the region ends), the rest in fp32.
+    `liger`: Liger-Kernel's SwiGLU and RMSNorm as their kernels hold memory (liger.py)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -142,6 +144,10 @@ def trace_peak(
                 lm_loss.install(model, loss_tile or 1, bool(loss_tile), zero3=False)
             if tiled_mlp:
                 lm_loss.install_tiled_mlp(model, zero3=False)
+        if liger:
+            from .liger import install
+
+            install(model)
     if lora is not None:  # outside the fake mode (_peft_wrapped says why)
         model = _peft_wrapped(model, lora)
     with mode:
@@ -285,6 +291,7 @@ def activation_bytes(
     tiled_mlp: bool = False,
     objective: str = "lm",
     autocast: str | None = None,
+    liger: bool = False,
 ) -> Activations:
     """`lora`: a peft LoraConfig (zero_recipes.adapters.lora.lora_config) to trace the peft-wrapped model, else None.
     `tp` > 1: one tensor-parallel rank's activations, traced through the model with its per-rank widths
@@ -293,7 +300,8 @@ def activation_bytes(
     attention (sequence_parallel.py). `tiled_loss`, `loss_tile_tokens`, `tiled_mlp`: train.py's flags; the loss
     and the MLPs are traced through train.py's own code for them (zero_recipes.modeling.lm_loss). `objective` "dpo":
     DPO's step over micro_batch pairs of seq_len tokens, its answers' logits untiled (memory/objective.py).
-    `autocast`: the torch_autocast dtype, traced with fp32 parameters inside torch.autocast (trace_peak)."""
+    `autocast`: the torch_autocast dtype, traced with fp32 parameters inside torch.autocast (trace_peak). `liger`:
+    Liger-Kernel's SwiGLU and RMSNorm (liger.py)."""
     import torch
 
     from .tensor_parallel import local_config
@@ -316,6 +324,7 @@ def activation_bytes(
                 tiled_mlp,
                 objective,
                 autocast,
+                liger,
             )
             for n in (1, 2)
         )

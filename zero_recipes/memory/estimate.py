@@ -384,6 +384,7 @@ def _traced(model_config, launch: Launch, p: int, lora, mesh: Mesh, shape: Model
         launch.tiled_mlp,
         launch.objective,
         autocast,
+        launch.liger,
     )
 
 

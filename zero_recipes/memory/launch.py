@@ -37,6 +37,8 @@ class Launch:
     """Under expert parallelism: the most-loaded rank's routed rows over the balanced tokens x k (memory/moe.py)."""
     preloaded: Preloaded | None = None
     """A model built before DeepSpeed (--zero_init false, preloaded.py); None: built under zero.Init, as train.py does."""
+    liger: bool = False
+    """Liger-Kernel's SwiGLU and RMSNorm in the trace (liger.py); its fused cross-entropy is the tiled loss."""
     moment_bytes: float | None = None
     """Bytes of each optimizer moment for another stack's optimizer (bitsandbytes' 8-bit Adam: 1); None: the config's."""
 

@@ -11,8 +11,8 @@ and `launch_of`, the one place a Launch is made from the tool's arguments and tr
 - `--liger true`: Liger-Kernel's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py):
   the head and loss in chunks of ceil(tokens / ceil(V / h)) rows, rounded up to a power of two, never the whole
   logits, with the head's gradient accumulated across chunks. That is train.py's tiled loss at that tile, and is
-  estimated as such. Liger's RMSNorm, SwiGLU and RoPE kernels save less than transformers' code; they are not
-  modelled, so the activations stay an upper bound with them.
+  estimated as such. Its SwiGLU and RMSNorm kernels save less than transformers' code: the trace runs stand-ins
+  that hold what they hold (liger.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def add_arguments(ap) -> None:
     g.add_argument("--optim", choices=list(OPTIMIZERS), help="the HF Trainer's --optim (default adamw_torch_fused)")
     g.add_argument("--rope_scaling", type=float, help="RoPE scaling factor: allows --seq_len up to "
                                                       "max_position_embeddings x it")  # fmt: skip
-    g.add_argument("--liger", choices=["true", "false"], help="Liger-Kernel's fused linear cross-entropy")
+    g.add_argument(
+        "--liger",
+        choices=["true", "false"],
+        help="Liger-Kernel's kernels (fused linear cross-entropy, SwiGLU, RMSNorm)",
+    )
 
 
 def check(args) -> None:
@@ -125,7 +129,7 @@ def launch_of(args, cfg, config, num_gpus: int, checkpointing: bool, micro: int 
     moments, temporaries = OPTIMIZERS.get(getattr(args, "optim", None) or "", (None, None))
     launch.moment_bytes, launch.optimizer_temporaries = moments, temporaries
     if getattr(args, "liger", None) == "true":
-        launch.tiled_loss = True
+        launch.liger = launch.tiled_loss = True
         launch.loss_tile_tokens = liger_chunk(micro * cfg.block_size, config)
     return launch
 
@@ -145,7 +149,7 @@ def notes(args) -> list[str]:
         out.append(f"RoPE scaled x{args.rope_scaling:g}: the context only; no memory term depends on it")
     if getattr(args, "liger", None) == "true":
         out.append(
-            "Liger: the fused linear cross-entropy's chunks as the tiled loss; its RMSNorm/SwiGLU/RoPE kernels "
-            "are not modelled (activations an upper bound with them)"
+            "Liger: the fused linear cross-entropy's chunks as the tiled loss, its SwiGLU and RMSNorm as their "
+            "kernels hold memory (memory/liger.py)"
         )
     return out

@@ -58,15 +58,16 @@ def test_eager_attention_costs_its_score_matrices(config_json):
     assert eager["per_gpu"]["activations_bytes"] > sdpa["per_gpu"]["activations_bytes"] + 2 * 32 * 2048**2
 
 
-def test_liger_is_the_tiled_loss_at_its_chunk(config_json):
+def test_liger_tiles_the_loss_at_its_chunk(config_json):
     """Liger's chunk for 2048 tokens of a 128256 x 2048 head: ceil(2048 / ceil(128256 / 2048)) = 33 rows, rounded
-    up to a power of two: 64. Estimated as train.py's tiled loss at 64-token tiles, below the whole logits."""
+    up to a power of two: 64. Estimated as train.py's tiled loss at 64-token tiles, below the whole logits, and with
+    Liger's SwiGLU and RMSNorm saving less still (tests/unit/memory/test_liger.py)."""
     gc = "--gradient_checkpointing"
     whole = estimate(config_json, "--tiled_loss", "false", gc)
     liger = estimate(config_json, "--liger", "true", gc)
     tiles = estimate(config_json, "--loss_tile_tokens", "64", gc)
     act = lambda e: e["phases"]["forward_backward"]["activations_bytes"]  # noqa: E731
-    assert act(liger) == act(tiles) < act(whole)
+    assert act(liger) < act(tiles) < act(whole)
     assert any("tiles of 64 tokens" in n for n in liger["notes"]) and any("Liger" in n for n in liger["notes"])
 
 

@@ -79,7 +79,8 @@ def estimate_case(case: dict):
     if case.get("liger"):  # Liger's fused linear cross-entropy, as tools/estimate_memory.py --liger true
         from zero_recipes.memory.stack import liger_chunk
 
-        launch.tiled_loss = True
+        launch.tiled_loss = True  # "loss": the fused cross-entropy alone; true: its SwiGLU and RMSNorm too
+        launch.liger = case["liger"] is True
         launch.loss_tile_tokens = liger_chunk(case["micro_batch_size"] * case["seq_len"], config)
     lora = lora_of(case)
     return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30), lora=lora,
@@ -140,7 +141,7 @@ def setup_text(case: dict) -> str:
     if case.get("lora"):
         extra += f"{'QLoRA' if case.get('load_in_4bit') else 'LoRA'} r {case['lora']['r']}, "
     if case.get("liger"):
-        extra += "Liger, "
+        extra += "Liger, " if case["liger"] is True else "Liger's loss, "
     if case.get("zero_init") is False:
         extra += f"model built first (DeepSpeed {case['deepspeed_version']}), "
     return extra + (
