@@ -13,6 +13,7 @@ pool under --quick).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -59,11 +60,21 @@ FULL = dict(
     sft={**sft.FULL, "rounds": 1, "model": SFT_MODEL, "fragments": PRECISIONS["bf16"]},
     dpo=dict(model=LLAMA_8B, pairs=64, steps=4, window=2),
 )  # fmt: skip
+# threads (--quick only): every child's intra-op threads (OMP_NUM_THREADS). One rank on 2 cores otherwise takes both
+# (launcher_env.set_threads), and the tiny shapes' small ops then wait on a second thread whenever another process
+# holds the other core, as the test suite's other worker does: the shapes part's full-model step took 0.05 s with 1
+# thread and 1.8 s with 2 beside a busy process (2-core EPYC). The figures are a busy CPU's either way.
 QUICK = dict(
     precision="fp32", dense=None, block=64, micro=4, steps=3, window=1, moe_model=moe.TINY, moe_block=64,
-    moe_micro=4, shape_steps=3, sft={**sft.QUICK, "conversations": 24, "block": 256, "longest": 230, "rounds": 1},
-    dpo=dict(model=None, pairs=8, steps=2, window=1, accumulation=2),
+    moe_micro=4, shape_steps=3,
+    sft={**sft.QUICK, "conversations": 24, "block": 256, "longest": 230, "rounds": 1, "threads": 1},
+    dpo=dict(model=None, pairs=8, steps=2, window=1, accumulation=2), threads=1,
 )  # fmt: skip
+
+
+def child_env(s: dict) -> dict | None:
+    """The children's environment: this process's (None), or with s["threads"] intra-op threads (--quick)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(s["threads"])} if s.get("threads") else None
 
 
 def cuda() -> bool:
@@ -98,9 +109,10 @@ def predicted(argv: list[str]) -> dict:
     return {"estimate_bytes": memory.rank_total(e, phase), "estimate_phase": phase}
 
 
-def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1) -> dict:
-    """train.py with argv on one rank into `out`: steady tokens/s and MFU (median over the logging windows after
-    the first `skip`), the measured peak, the estimate and its error. Leaves `out` (the caller removes it)."""
+def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1, env: dict | None = None) -> dict:
+    """train.py with argv on one rank into `out`, in `env` (default: this process's): steady tokens/s and MFU (median
+    over the logging windows after the first `skip`), the measured peak, the estimate and its error. Leaves `out`
+    (the caller removes it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
     probe = out.with_name(out.name + "-probe")
     gpu = cuda()
@@ -110,7 +122,7 @@ def train_run(name: str, argv: list[str], out: Path, timeout: int, skip: int = 1
         else ["--module", "bench.runners.profiled_train", "--no_checkpoints"]
     )
     cmd += argv + ["--output_dir", str(out)] + ([] if gpu else ["--probe_out", str(probe)])
-    log = run_checked(cmd, None, timeout, f"{name}: {' '.join(cmd)}")
+    log = run_checked(cmd, env, timeout, f"{name}: {' '.join(cmd)}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if "tokens_per_sec" in r][skip:]
     if gpu:
@@ -137,7 +149,7 @@ def dense(s: dict, config: str, tmp: Path, timeout: int) -> dict:
     out = tmp / config
     argv = train_flags(s, CONFIGS[config], s["dense"], s["block"], s["micro"])
     try:
-        return {"deepspeed": list(CONFIGS[config]), **train_run(config, argv, out, timeout)}
+        return {"deepspeed": list(CONFIGS[config]), **train_run(config, argv, out, timeout, env=child_env(s))}
     finally:
         if config != "zero2":
             shutil.rmtree(out, ignore_errors=True)
@@ -152,7 +164,8 @@ def lora(s: dict, tmp: Path, timeout: int) -> dict:
     argv = train_flags(s, CONFIGS["zero2"], None, s["block"], s["micro"])
     argv += ["--model_name_or_path", str(base), *LORA_VARIANTS["lora"]]
     try:
-        return {"base": "the ZeRO-2 part's export", **train_run("lora", argv, tmp / "lora", timeout)}
+        result = train_run("lora", argv, tmp / "lora", timeout, env=child_env(s))
+        return {"base": "the ZeRO-2 part's export", **result}
     finally:
         shutil.rmtree(tmp / "lora", ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)  # 2.5 GB of bf16 on the device's disk: nothing else reads it
@@ -163,7 +176,7 @@ def mixture(s: dict, tmp: Path, timeout: int) -> dict:
     parallelism, every expert on the device. MFU counts active FLOPs (k experts per token)."""
     argv = train_flags(s, CONFIGS["zero2"], s["moe_model"], s["moe_block"], s["moe_micro"])
     try:
-        result = train_run("moe", argv, tmp / "moe", timeout)
+        result = train_run("moe", argv, tmp / "moe", timeout, env=child_env(s))
     finally:
         shutil.rmtree(tmp / "moe", ignore_errors=True)
     return {"model": s["moe_model"], "parameters": moe.parameters(s["moe_model"]), **result}
@@ -174,7 +187,7 @@ def shapes(s: dict, tmp: Path, timeout: int) -> dict:
     spec = {"model": model_fields(s["dense"]), "block": s["block"], "micro": s["micro"]}
     spec |= {"steps": s["shape_steps"], "precision": s["precision"]}
     out = tmp / "shapes.json"
-    run_checked([sys.executable, "-m", "bench.gpu.shapes", json.dumps(spec), str(out)], None, timeout, "shapes")
+    run_checked([sys.executable, "-m", "bench.gpu.shapes", json.dumps(spec), str(out)], child_env(s), timeout, "shapes")
     result = json.loads(out.read_text())
     full = result["shapes"]["full model"]["step_seconds"]
     for x in result["shapes"].values():
@@ -279,7 +292,7 @@ def dpo_8b(s: dict, tmp: Path, timeout: int) -> dict:
             str(free_port()),
         ]
         cmd += ["--module", "bench.dpo.train_run", *argv, "--output_dir", str(out), "--probe_out", str(probe)]
-        log = run_checked(cmd, None, timeout, f"dpo 8B: {' '.join(cmd)}")
+        log = run_checked(cmd, child_env(s), timeout, f"dpo 8B: {' '.join(cmd)}")
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         p = json.loads(Path(f"{probe}.rank0.json").read_text())
     finally:

@@ -157,18 +157,28 @@ def command(runner: str, s: dict, work: dict, out: Path, ranks: int = 2) -> list
     return cmd
 
 
-def run_one(runner: str, s: dict, work: dict, tmp: Path, tag: str, ranks: int = 2, timeout: int = 7200) -> dict:
-    """One launch of `ranks` ranks; what their probes recorded, summed over ranks step by step."""
+def run_one(
+    runner: str, s: dict, work: dict, tmp: Path, tag: str, ranks: int = 2, timeout: int = 7200, trace: bool = False
+) -> dict:
+    """One launch of `ranks` ranks; what their probes recorded, summed over ranks step by step. trace: the launch
+    also runs under the start-up probe (bench/sft/startup.py), which leaves it running past its first step; its
+    breakdown is the result's "startup"."""
     name = cache_name(runner)
     out = tmp / "runs" / f"{tag}-{name}"
     out.mkdir(parents=True)
     env = runner_env(tmp / "caches" / name)  # each runner's own: round 1 is its cold start, later rounds cached
+    if s.get("threads"):  # the GPU benchmark's --quick (tools/bench/gpu/parts.py QUICK): one thread a rank
+        env["OMP_NUM_THREADS"] = str(s["threads"])
     cmd = command(runner, s, work, out, ranks)
+    if trace:
+        cmd = sft_startup.traced(cmd, out, keep_going=True)
     run_checked(cmd, env, timeout, f"{runner}: {' '.join(cmd)}")
     probes = [json.loads((out / f"probe.rank{r}.json").read_text()) for r in range(ranks)]
     n = min(len(r["starts"]) for r in probes)
     tokens = [[sum(r["tokens"][i][k] for r in probes) for i in range(n)] for k in range(3)]
-    return summarise_run(probes[0]["starts"][:n], tokens, probes, s)
+    return summarise_run(probes[0]["starts"][:n], tokens, probes, s) | (
+        {"startup": sft_startup.read(out)} if trace else {}
+    )
 
 
 def summarise_run(starts: list[float], tokens: list[list[int]], ranks: list[dict], s: dict) -> dict:
@@ -194,21 +204,27 @@ def measure(s: dict, tmp: Path) -> dict:
     work = make_work(tmp, s)
     work["attention"] = packed_rows.measure(s["block"], s["longest"], s.get("attention_steps", 5))
     print(f"  one packed step, text / block mask / per example: {attention_line(work['attention'])}", flush=True)
+    # --quick: the breakdown is its one round's train.py and TRL launches, traced (cold), not two more launches
+    quick = s.get("quick")
     rounds = []
     for r, order in enumerate(paired.rotations(list(RUNNERS), s["rounds"])):
         runs = {}
         for runner in order:
-            runs[runner] = run_one(runner, s, work, tmp, f"r{r}")
+            trace = bool(quick) and r == 0 and runner in sft_startup.RUNNERS
+            runs[runner] = run_one(runner, s, work, tmp, f"r{r}", trace=trace)
             print(f"  round {r + 1}/{s['rounds']} {runner}: {line(runs[runner])}", flush=True)
         rounds.append(runs)
 
     def env_of(runner: str, fresh: bool) -> dict:  # fresh caches, or the ones the runner's rounds built
         return runner_env(tmp / ("startup-caches" if fresh else "caches") / cache_name(runner))
 
-    states = ("cached",) if s.get("quick") else sft_startup.STATES  # --quick: no second cold launch
     cmd_of = lambda runner, out: command(runner, s, work, out)  # noqa: E731
-    startup = sft_startup.measure(cmd_of, env_of, tmp, states)
-    first = [[startup[f"{r}, cached"]["time_to_first_step"] for r in sft_startup.RUNNERS]]
+    if quick:
+        startup = {f"{r}, cold": rounds[0][r].pop("startup") for r in sft_startup.RUNNERS}
+        first = [[startup[f"{r}, cold"]["time_to_first_step"] for r in sft_startup.RUNNERS]]
+    else:
+        startup = sft_startup.measure(cmd_of, env_of, tmp, sft_startup.STATES)
+        first = [[startup[f"{r}, cached"]["time_to_first_step"] for r in sft_startup.RUNNERS]]
     first += sft_startup.pairs(cmd_of, env_of, tmp, s.get("startup_pairs", 0))
     return {"work": work, "rounds": rounds, "startup": startup, "startup_pairs": first}
 
@@ -322,6 +338,8 @@ def markdown(r: dict) -> str:
     if "first_step_traced_vs_trl" in q:
         x = q["first_step_traced_vs_trl"]
         what = f"the same, {x['pairs']} traced launch pairs stopped at the first step"
+        if s.get("quick"):
+            what = "cold time to first step, train.py / TRL, the round's traced launches"
         lines.append(row(what, x, f"<= {GOALS['first_step_vs_trl']}", False))
     lines += [
         "",
@@ -332,7 +350,7 @@ def markdown(r: dict) -> str:
         "- first step: process start to the end of the first optimizer step; round 1 ran with empty data caches "
         "(cold), later rounds reused them (cached).",
         *attention_notes(d.get("attention")),
-        *sft_startup.markdown(r.get("startup", {})),
+        *sft_startup.markdown(r.get("startup", {}), rounds_traced=bool(s.get("quick"))),
         "",
         *footer(r),
     ]

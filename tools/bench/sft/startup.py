@@ -2,7 +2,8 @@
 (bench/sft/startup_probe.py).
 
 For each of the two runners: one launch with fresh data caches (cold) and one with the caches its timed
-rounds built (cached), each stopped when its first optimizer step is done; --quick runs the cached ones only.
+rounds built (cached), each stopped when its first optimizer step is done. --quick launches neither: its one timed
+round's train.py and TRL launches (cold: their caches are new) are traced themselves and run on to their end.
 The two ranks' records are averaged. These launches are traced
 (every module's execution is timed), so their totals run a little above the untraced rounds' times, which
 are the ones the ratio is taken on.
@@ -28,11 +29,24 @@ def launch(cmd_of, env_of, runner: str, tmp: Path, state: str) -> dict:
     name = runner.replace(" ", "_").replace(".", "")
     out = tmp / "startup" / f"{name}-{state}"
     out.mkdir(parents=True)
-    cmd = cmd_of(runner, out)
-    module = cmd.index("--module")  # `--module bench.X` -> `--module bench.sft.startup_probe --startup_out S bench.X`
-    cmd[module + 1 : module + 1] = ["bench.sft.startup_probe", "--startup_out", str(out / "startup")]
+    cmd = traced(cmd_of(runner, out), out)
     cmd[cmd.index("--master_port") + 1] = str(free_port())
     run_checked(cmd, env_of(runner, state == "cold"), 1800, f"{runner} ({state}, traced)")
+    return read(out)
+
+
+def traced(cmd: list[str], out: Path, keep_going: bool = False) -> list[str]:
+    """A runner's launch under the start-up probe, its records at out/startup.rank<N>.json: `--module bench.X` ->
+    `--module bench.sft.startup_probe --startup_out S bench.X`. keep_going: the run goes on past its first step."""
+    cmd = list(cmd)
+    module = cmd.index("--module")
+    probe = ["bench.sft.startup_probe", *(["--startup_keep_going"] if keep_going else []), "--startup_out"]
+    cmd[module + 1 : module + 1] = [*probe, str(out / "startup")]
+    return cmd
+
+
+def read(out: Path) -> dict:
+    """One traced launch's breakdown: its ranks' records averaged."""
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("startup.rank*.json"))]
     return {
         "time_to_first_step": statistics.mean(r["time_to_first_step"] for r in ranks),
@@ -87,15 +101,21 @@ def rows(breakdown: dict) -> dict[str, list[float]]:
     return table
 
 
-def markdown(breakdown: dict) -> list[str]:
+def markdown(breakdown: dict, rounds_traced: bool = False) -> list[str]:
+    """rounds_traced: the breakdown is the timed round's own launches, traced (--quick), not launches of its own."""
     if not breakdown:
         return []
+    which = (
+        "the round's train.py and TRL launches above, traced"
+        if rounds_traced
+        else "traced launches, so a little slower than the rounds above"
+    )
     lines = [
         "",
         "Where the time to first step goes (seconds, mean of the two ranks; tools/bench/sft/startup_probe.py: "
         "each module's "
         "own execution time goes to its package, or to the heavy package that imported it; phases exclude the "
-        "imports inside them; traced launches, so a little slower than the rounds above):",
+        f"imports inside them; {which}):",
         "",
         "| | " + " | ".join(breakdown) + " |",
         "|---" * (len(breakdown) + 1) + "|",

@@ -18,7 +18,9 @@ __main__ unchanged. Nothing is imported early or in another order, so the run st
   the second). The rest up to the first step (argument parsing, the trainer's own set-up) is "other".
 
 Each rank writes <startup_out>.rank<N>.json when its second training forward starts, then exits at once: the
-breakdown needs no more of the run.
+breakdown needs no more of the run. With --startup_keep_going (before --startup_out) the rank writes the same record
+and the run goes on to its end: `benchmark.py sft --quick` traces its timed round's train.py and TRL launches so,
+instead of launching each runner once more to its first step.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def package_of(name: str) -> str | None:
 
 
 class Trace:
-    def __init__(self, out: str):
-        self.out, self.t0 = out, process_start()
+    def __init__(self, out: str, keep_going: bool = False):
+        self.out, self.t0, self.keep_going = out, process_start(), keep_going
         self.imports: dict[str, float] = {}
         self.stack: list[list] = []  # [package, start, seconds of nested imports]
         self.import_total = 0.0  # outermost imports' seconds, for taking imports out of the phases
@@ -116,7 +118,7 @@ class Trace:
         return call
 
     def write(self, engine) -> None:
-        """The breakdown, then the end of this rank: the first step is done."""
+        """The breakdown, then the end of this rank (unless keep_going): the first step is done."""
         import torch.distributed as dist
 
         total = time.time() - self.t0
@@ -131,6 +133,8 @@ class Trace:
         }
         with open(f"{self.out}.rank{rank}.json", "w") as f:
             f.write(json.dumps(record) + "\n")
+        if self.keep_going:
+            return
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -176,9 +180,11 @@ def process_start() -> float:
 
 
 def main(argv: list[str]) -> None:
+    keep_going = "--startup_keep_going" in argv
+    argv = [a for a in argv if a != "--startup_keep_going"]
     i = argv.index("--startup_out")
     out, target, rest = argv[i + 1], argv[i + 2], argv[:i] + argv[i + 3 :]
-    trace = Trace(out)
+    trace = Trace(out, keep_going)
     sys.meta_path.insert(0, TimedFinder(trace))
     sys.argv = [target, *rest]
     runpy.run_module(target, run_name="__main__", alter_sys=True)
