@@ -311,8 +311,14 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
     def gathered(n: int) -> float:  # the live-parameter cap applies to frozen and trainable together
         return p * min(share * n, cap)
 
-    extra = gathered(P) - gathered(s.trainable)  # the frozen part of what a forward gathers
-    part = p * F / N  # zero/partition_parameters.py `Init`: partitioned like every parameter
+    # QLoRA under ZeRO-3 (refused by train.py, run by others with bnb_4bit_quant_storage set to the 16-bit dtype,
+    # so that ZeRO-3 shards the packed NF4 codes like any parameter): the frozen linears at NF4's bytes, gathered
+    # and partitioned packed, each dequantised into a p-byte temporary when its layer runs (bitsandbytes)
+    Q = s.quantized
+    frozen_bytes = p * (F - Q) + NF4_BYTES * Q
+    extra = (gathered(P) - gathered(s.trainable)) * frozen_bytes / (p * F)  # the frozen part a forward gathers
+    extra += p * s.largest_quantized
+    part = frozen_bytes / N  # zero/partition_parameters.py `Init`: partitioned like every parameter
     dev_part, host_part = (0.0, part) if off_par else (part, 0.0)
     # Between steps only the partitions stay, as in full fine-tuning (cpu_phases; the ~1.2p B/param once measured
     # here on several ranks were frees on gloo's threads the probe did not see).
