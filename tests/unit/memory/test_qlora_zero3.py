@@ -26,8 +26,8 @@ def states_at_step(load_in_4bit: bool) -> int:
 
 
 def test_zero3_partitions_the_nf4_codes():
-    """Each of 2 ranks holds half the frozen linears (every linear but the head: q, k, v, o, gate, up, down in every
-    layers; 4 of its 80 here) at NF4's bytes instead of bf16's 2."""
+    """Each of 2 ranks holds half the frozen linears (every linear but the head: q, k, v, o, gate, up and down of
+    every layer; 4 of its 80 layers here) at NF4's bytes instead of bf16's 2."""
     c = LLAMA2_70B
     h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
     linears = c["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * c["intermediate_size"])
