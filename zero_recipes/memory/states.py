@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import states_cpu, states_gpu
+from .states_gpu import flat_grad_copy  # noqa: F401 -- the tables' helper, named with the other terms
 
 PHASES = ("init", "forward_backward", "optimizer_step")
 
@@ -39,14 +40,37 @@ def adam_temporaries(optim: str, accelerator: str) -> int:
 
 
 def grad_norm_transient(stage: int, largest: float, world: int) -> float:
-    """Bytes per parameter of ZeRO-2's gradient norm at the step: zero/stage_1_and_2.py `get_grad_norm_direct`
-    takes each param's piece of the rank's grad partition to fp64 (`get_norm_dtype`, wherever the device has
-    fp64) before its norm, one piece at a time: 8 B x the largest piece, at most the partition (`largest`: the
-    largest param as a share of all of them). Hidden under the per-tensor AdamW's 8 B x partition; measured on the
-    CPU once fused AdamW allocated none: +67.6 MB at the step of a 1-rank ZeRO-2 bf16 run whose largest param is
-    8.2M (8 x 8.2M = 65.5 MB). ZeRO-1 runs the same code, but measured less of it (+33.8 MB for 2 ranks where this
-    gives 65.5; none on a pipeline stage), so it is left out there until it is understood."""
-    return 8 * min(largest, 1 / world) if stage == 2 else 0.0
+    """Bytes per parameter of the gradient norm's fp64 copy at the step, one param at a time (`get_norm_dtype`:
+    fp64 wherever the device has it), before the step flattens the grads (`step_grad_transient` takes the larger).
+    ZeRO-1/2: zero/stage_1_and_2.py `scaled_global_norm` -> `get_grad_norm_direct` over `averaged_gradients`, this
+    rank's piece of each param: 8 B x the largest piece, at most the partition. ZeRO-3: stage3.py `_get_norm_groups`
+    -> `get_grad_norm_direct`, each param's whole grad partition: 8 B x the largest param / N. `largest` is the
+    largest param's share of all of them. Under optimizer offload the norm is taken in the backward instead
+    (`offload_norm_transient`). Measured where it sets the peak: ZeRO-2 bf16 on 4 ranks (model B, whose 8.19M-
+    element embedding is nearly a rank's whole partition: 251.4 MB at the step, 7.44 B/param, as this gives);
+    on 1 and 2 ranks the flat copies that follow it are larger, so it is not seen there (benchmarks/estimator.md)."""
+    if stage in (1, 2):
+        return 8 * min(largest, 1 / world)
+    return 8 * largest / world if stage == 3 else 0.0
+
+
+# stage3.py `_constant_buffered_norm2` takes a grad to fp64 in slices of this many elements (its buffer_size)
+ZERO3_NORM_SLICE = 250_000_000
+
+
+def offload_norm_transient(stage: int, largest: float, world: int, num_params: int) -> float:
+    """Bytes per parameter of the gradient norm's fp64 copy that optimizer offload makes in the backward, one param
+    at a time, as each reduced grad is copied to the host (the norm is then taken from these at the step, with no
+    copy of its own). ZeRO-1/2: zero/stage_1_and_2.py `copy_grads_in_partition` -> `set_norm_for_param_grad_in_gpu`,
+    8 B x this rank's piece of the param (`grad_position`), at most the partition. ZeRO-3: stage3.py
+    `partition_grads` -> `_offload_grad_partition_at_boundary` -> `_constant_buffered_norm2`, 8 B x the param's
+    grad partition (1/N of it), in slices of ZERO3_NORM_SLICE elements. fp64 is `get_norm_dtype()` wherever the
+    device has it (zero/utils.py). `largest` is the largest param's share of all of them. Measured on model B
+    (8.19M-element embedding and head), bf16: 65.5 MB at ZeRO-2 on 1 and 2 ranks, 65.5 and 32.8 MB at ZeRO-3 on 1
+    and 2 (benchmarks/estimator.md)."""
+    if stage in (1, 2):
+        return 8 * min(largest, 1 / world)
+    return 8 * min(largest / world, ZERO3_NORM_SLICE / num_params)
 
 
 @dataclass
@@ -159,11 +183,15 @@ class Inputs:
     off_opt: bool
     off_par: bool
     temp: int  # the optimizer step's temporaries per stepped element (DeepSpeedCPUAdam under offload: none)
-    grad_norm: float  # grad_norm_transient's bytes per parameter
+    grad_norm: float  # grad_norm_transient's bytes per parameter (0 under optimizer offload)
     overlap: int  # reduce buckets: two with overlap_comm
     reduce_bucket: float  # elements
     live_cap: float  # elements (live_parameter_cap)
     sub_group: float  # elements
+    off_norm: float = 0.0  # offload_norm_transient's bytes per parameter (the backward's fp64 norm under offload)
+    # ZeRO-1/2 copy each reduced grad of the rank's partition into one buffer (`copy_grads_in_partition`), kept
+    # until the step frees the grads; contiguous_gradients is DeepSpeed 0.19.8's default (zero/config.py)
+    contiguous: bool = True
     m: float = 4  # bytes of a master weight, and of the gradient partition the step reads in its dtype
     o: float = 8  # bytes of the optimizer's state per parameter (optimizer_state_bytes: Adam's two moments, 8)
 
@@ -179,11 +207,13 @@ class Inputs:
             off_opt,
             s.offload_param is not None,
             0 if off_opt else s.adam_temporaries,
-            grad_norm_transient(s.stage, f, s.world),
+            0.0 if off_opt else grad_norm_transient(s.stage, f, s.world),
             2 if s.zero.get("overlap_comm") else 1,
             zero_setting(s.zero, "reduce_bucket_size", 5e8),
             live_parameter_cap(s.zero),
             zero_setting(s.zero, "sub_group_size", 1e9),
+            offload_norm_transient(s.stage, f, s.world, s.num_params) if off_opt else 0.0,
+            bool(s.zero.get("contiguous_gradients", True)),
             s.master_bytes,
             optimizer_state_bytes(s),
         )
@@ -261,15 +291,9 @@ def lora_phases(s: Setup) -> dict[str, PhaseBytes]:
     The reduce buckets (`setup_buckets`, stage3 `__init__`) are reduce_bucket_size whatever is trained, as
     before; the in-flight grad is the largest *trainable* parameter's."""
     trained = phases(replace(s, num_params=s.trainable, largest_param=max(1, s.largest_trainable), trainable=None))
+    # the tables size the reduce bucket (reduce_bucket_size, allocated whole) in bytes per trained parameter, so over
+    # a LoRA's few trainable parameters it comes out whole, as measured
     frozen = frozen_phases(s)
-    if s.stage in (1, 2) and s.offload_optimizer is not None and (s.accelerator == "cpu"):
-        # cpu_phases' offload branch folds `setup_buckets`' reduce bucket (reduce_bucket_size elements, allocated
-        # at the first backward) into per-parameter constants measured on a 34M model; over a LoRA's few trainable
-        # parameters that share vanishes (measured: 96 MB under), so the bucket is added whole here
-        t = Inputs.of(s)
-        bucket = t.reduce_bucket * t.p * t.overlap
-        fb = frozen["forward_backward"]
-        frozen["forward_backward"] = PhaseBytes(fb.states, int(fb.buffers + bucket), fb.host_states, fb.host_buffers)
     return {
         k: PhaseBytes(
             t.states + f.states, t.buffers + f.buffers, t.host_states + f.host_states, t.host_buffers + f.host_buffers
@@ -306,7 +330,8 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
         return out
     off_par = s.offload_param is not None
     cap = live_parameter_cap(s.zero)
-    share = 1.0 if (off_par and not cpu) else 1 - 1 / N  # on a GPU, offload_param fetches this rank's share too
+    # gathered whole, own shard included (states_gpu._gathered); on one rank only offload_param on a GPU fetches
+    share = 1.0 if (N > 1 or (off_par and not cpu)) else 0.0
 
     def gathered(n: int) -> float:  # the live-parameter cap applies to frozen and trainable together
         return p * min(share * n, cap)

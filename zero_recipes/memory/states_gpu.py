@@ -15,11 +15,34 @@ estimate is the same to the byte whatever the table's layout).
 from __future__ import annotations
 
 
+def flat_grad_copy(p: float, m: float) -> float:
+    """Bytes per element of the step's flat copy of a grad partition in the master's dtype: zero/stage_1_and_2.py
+    `step` and stage3.py `_prepare_fp32_grad_for_sub_group` flatten the partition's grads (p B) and cast the flat
+    tensor (m B), both alive for the cast; when the dtypes are the same the cast returns the flat tensor itself."""
+    return m if p == m else p + m
+
+
 def _zero12_step(t) -> float:
-    """`step`: the 16-bit grad partition (p/N) beside its fp32 copy, and the larger of an unfused torch AdamW's
-    temporaries (sqrt, then the division: 8 B per element it steps) and the grad norm's fp64 copy of one param's
-    piece (states.grad_norm_transient). DeepSpeedCPUAdam under offload allocates none."""
-    return 0 if t.off_opt else t.p / t.N + max(t.temp / t.N, t.grad_norm)
+    """zero/stage_1_and_2.py `step`, one transient after another: the grad norm's fp64 copy of one param's piece
+    (states.grad_norm_transient), then the flat 16-bit grad partition with its fp32 copy (`flat_grad_copy`), then
+    the fp32 copy beside an unfused torch AdamW's temporaries (sqrt, then the division: 8 B per element it steps).
+    The largest sets the peak. Under offload the grads are already on the host and DeepSpeedCPUAdam allocates
+    none: 0."""
+    if t.off_opt:
+        return 0
+    return max(t.grad_norm, flat_grad_copy(t.p, t.m) / t.N, (t.m + t.temp) / t.N)
+
+
+def _offload12_reduce(t) -> float:
+    """ZeRO-1/2 offload's bucket reduce on the device, two transients one after the other: on several ranks
+    `average_tensor` -> `allreduce_bucket` flattens the bucket's grads (p B x its elements, the model's at most;
+    `use_multi_rank_bucket_allreduce`, the default), then `copy_grads_in_partition` ->
+    `set_norm_for_param_grad_in_gpu` takes each param's piece to fp64 for its norm (states.offload_norm_transient)
+    before the copy to the host."""
+    if not t.off_opt:
+        return 0
+    flat = t.p * min(1.0, t.reduce_bucket / t.P) if t.N > 1 else 0.0
+    return max(t.off_norm, flat)
 
 
 ZERO12 = (
@@ -34,20 +57,20 @@ ZERO12 = (
     (lambda t: 0 if t.off_opt else t.m / t.N,                       "D", "D", "D", "D", "D"),
     # torch AdamW makes exp_avg and exp_avg_sq at the first step, in the master's dtype (t.o: 8 B, 4 in bf16)
     (lambda t: 0 if t.off_opt else t.o / t.N,                       "-", "D", "D", "D", "D"),
-    # ZeRO-2 `copy_grads_in_partition`: `grads_in_partition`, allocated at the first backward and kept (with
-    # offload the reduced grads go to the host's fp32 grad partition instead)
-    (lambda t: t.p / t.N if t.stage == 2 and not t.off_opt else 0, "-", "D", "D", "D", "D"),
+    # `copy_grads_in_partition`: `grads_in_partition`, allocated at the backward (ZeRO-1 too, with
+    # contiguous_gradients) and released with the grads at the step, after its flat copy (measured: not between
+    # steps); with offload the reduced grads go to the host's fp32 grad partition instead
+    (lambda t: t.p / t.N if t.contiguous and not t.off_opt else 0,  "-", "-", "-", "D", "D"),
     # ZeRO-1 reduces at the end of backward (`reduce_gradients`): every param's grad is alive until then
     (lambda t: t.p if t.stage == 1 else 0,                          "-", "-", "-", "D", "-"),
-    # `step`: the fp32 grad partition (`get_flat_partition`) next to the 16-bit one on the device
-    (lambda t: 0 if t.off_opt else t.m / t.N,                       "-", "-", "-", "-", "D"),
-    # offload: `temp_grad_buffer_for_gpu_offload`, the largest param's size
-    (lambda t: t.p * t.f if t.off_opt else 0,                       "-", "d", "d", "d", "d"),
+    # offload: `temp_grad_buffer_for_gpu_offload`, the largest param's size, made in `__init__`
+    (lambda t: t.p * t.f if t.off_opt else 0,                       "d", "d", "d", "d", "d"),
     # `setup_buckets`: one reduce bucket of reduce_bucket_size (two with overlap_comm) in the grad dtype, made in
     # the backward's prologue, while every activation is still alive, and kept from then on
     (lambda t: t.reduce_bucket / t.P * t.p * t.overlap,            "-", "d", "d", "d", "d"),
     # ZeRO-2 reduces in buckets as grads arrive: the param in flight and its copy
     (lambda t: 0 if t.stage == 1 else 2 * t.p * t.f,               "-", "-", "-", "d", "-"),
+    (_offload12_reduce,                                             "-", "-", "-", "d", "-"),
     (_zero12_step,                                                  "-", "-", "-", "-", "d"),
     # offload, `initialize_optimizer_states` (pinned when pin_memory): the master partition and its grad, ...
     (lambda t: 2 * t.m / t.N if t.off_opt else 0,                   "H", "H", "H", "H", "H"),
@@ -60,15 +83,29 @@ ZERO12 = (
 
 
 def _gathered(t) -> float:
-    """Params gathered between use and release: the other ranks' shards, and under offload_param this rank's own
-    too (its partition lives on the host and is fetched for compute), up to the live cap
-    (stage3_max_live_parameters + stage3_prefetch_bucket_size)."""
-    return t.p * min(1.0 if t.off_par else 1 - 1 / t.N, t.live_cap / t.P)
+    """Params gathered between use and release, up to the live cap (stage3_max_live_parameters +
+    stage3_prefetch_bucket_size), each whole: zero/partition_parameters.py `_all_gather_dtype` and
+    `_all_gather_sequential` gather into a new buffer of the param's full size (partition x world) and copy this
+    rank's own shard into it, beside the partition it keeps. On one rank nothing is gathered (the partition is the
+    param) unless offload_param keeps it on the host. Measured: every ZeRO-3 run on 2 CPU ranks was under by p/N a
+    parameter with the other ranks' shards alone (-7.4 % fp32 at 2 x 512; 68.6 MB against p x P / 2 = 67.6)."""
+    return t.p * min(1.0 if (t.off_par or t.N > 1) else 0.0, t.live_cap / t.P)
 
 
 def _sub_group(t) -> float:
     """The sub-group's fp32 grad during `step` (`_prepare_fp32_grad_for_sub_group`): sub_group_size at most."""
     return t.m * min(t.sub_group / t.P, 1 / t.N)
+
+
+def _zero3_step(t) -> float:
+    """stage3.py `step` on the device, one transient after another: the grad norm's fp64 copy of the largest
+    param's partition (`get_grad_norm_direct`, states.grad_norm_transient), a sub-group's flat grad with its
+    master-dtype copy (`_prepare_fp32_grad_for_sub_group`, `flat_grad_copy`), then that copy beside an unfused
+    torch AdamW's temporaries (8 B x the sub-group). Under offload DeepSpeedCPUAdam steps the host's: none here."""
+    if t.off_opt:
+        return 0
+    share = min(t.sub_group / t.P, 1 / t.N)
+    return max(t.grad_norm, flat_grad_copy(t.p, t.m) * share, (t.m + t.temp) * share)
 
 
 ZERO3 = (
@@ -91,8 +128,10 @@ ZERO3 = (
     (_gathered,                                                     "-", "-", "d", "d", "-"),
     # the grad of the param in flight and its reduced copy
     (lambda t: 2 * t.p * t.f,                                       "-", "-", "-", "d", "-"),
-    # an unfused torch AdamW steps one sub-group at a time: its temporaries are 8 B x the sub-group
-    (lambda t: 0 if t.off_opt else _sub_group(t) * (1 + t.temp / 4), "-", "-", "-", "-", "d"),
+    # offload: `partition_grads` -> `_offload_grad_partition_at_boundary` takes each reduced grad partition to
+    # fp64 for its norm on the device before the copy to the host (states.offload_norm_transient)
+    (lambda t: t.off_norm,                                          "-", "-", "-", "d", "-"),
+    (_zero3_step,                                                   "-", "-", "-", "-", "d"),
     # offload: DeepSpeedCPUAdam steps the sub-group's fp32 grad on the host
     (lambda t: _sub_group(t) if t.off_opt else 0,                   "-", "-", "-", "-", "h"),
 )  # fmt: skip
