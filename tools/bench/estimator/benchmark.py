@@ -22,6 +22,7 @@ shards each row across the SP group and installs the loss and MLP as train.py do
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -141,7 +142,14 @@ def probe(point, tmp: Path) -> dict:
     launcher = (
         [sys.executable, "-m"]
         if ranks == 1
-        else ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module"]
+        else [
+            "deepspeed",
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(free_port(os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE"))),
+            "--module",
+        ]
     )
     cmd = (
         launcher
@@ -223,21 +231,43 @@ def kind(point_or_row) -> str:
 SECTIONS = ("full", "lora", "tp", "long")
 
 
+def measure_row(point, tmp: Path) -> dict:
+    """One point launched and probed: its settings, the probe's own record (kept, so a later estimate can be
+    compared with the same measurement: `--repredict`), and the estimate against it."""
+    measured = probe(point, tmp)
+    keys = ("model", "config", "precision", "ranks", "micro", "seq", "gc", "lora", "tp", "long")
+    row = dict(zip(keys, unpack(point)))
+    row["probe"] = {"ranks": measured["ranks"], "world": measured["world"], "ds_config": measured["ds_config"]}
+    return predicted_row(row)
+
+
+def predicted_row(row: dict) -> dict:
+    """The row's estimate recomputed from its stored probe record (the estimator as it is now)."""
+    keys = ("model", "config", "precision", "ranks", "micro", "seq", "gc", "lora", "tp", "long")
+    point = tuple(row[k] for k in keys)
+    row.update(predict(point, row["probe"]))
+    if row["lora"]:
+        row["trainable_params"] = max(r["trainable_params"] for r in row["probe"]["ranks"])
+    return row
+
+
 def cmd_estimator(args) -> int:
+    if args.repredict:  # the same measurements, today's estimate: no launch
+        old = json.loads(Path(args.repredict).read_text())
+        rows = [predicted_row(r) for r in old["points"]]
+        result = {**old, "points": rows, "predicted_with": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:])}
+        write_report(args.out_dir, "estimator", result, markdown(result))
+        return 0
     points = QUICK if args.quick else [p for p in POINTS if kind(p) == args.only] if args.only else POINTS
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-estimator-"))
     rows = []
     for i, point in enumerate(points):
-        measured = probe(point, tmp)
-        keys = ("model", "config", "precision", "ranks", "micro", "seq", "gc", "lora", "tp", "long")
-        row = dict(zip(keys, unpack(point)))
-        row.update(predict(point, measured))
-        if row["lora"]:
-            row["trainable_params"] = max(r["trainable_params"] for r in measured["ranks"])
+        row = measure_row(point, tmp)
         rows.append(row)
+        (tmp / "rows-so-far.json").write_text(json.dumps(rows) + "\n")  # what a stopped run completed
         print(
             f"  [{i + 1}/{len(points)}] {point}: measured {row['measured_bytes'] / 1e6:.1f} MB, predicted "
-            f"{row['predicted_bytes'] / 1e6:.1f} MB ({row['error']:+.1%}) at {row['phase']}",
+            f"{row['predicted_bytes'] / 1e6:.1f} MB ({row['error']:+.1%}) at {row['phase']} ({tmp})",
             flush=True,
         )
     if args.only:  # keep the report's other points, measured before
@@ -257,6 +287,12 @@ def add_parsers(sub) -> None:
         choices=["full", "lora", "tp", "long"],
         help="measure only the full fine-tuning, LoRA, tensor-parallel or long-context (SP, tiling) points; the report keeps "
         "the others as measured before",
+    )
+    e.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="no launch: recompute every point's estimate from the probe records an earlier run stored in JSON "
+        "(an estimator.json) and rewrite the report",
     )
     e.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where estimator.{md,json} go")
     e.set_defaults(func=cmd_estimator)
