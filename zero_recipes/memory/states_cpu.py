@@ -115,7 +115,9 @@ ZERO12_OFFLOAD = (
     # Every row is a buffer of zero/stage_1_and_2.py, measured to the byte on model B (bf16, 1 and 2 ranks,
     # benchmarks/estimator.md; the allocations alive at each peak named by their Python stack). The offloaded
     # states and DeepSpeed's pinned staging are host memory on a GPU (states_gpu.ZERO12 has the split); here they
-    # share the one pool with the 16-bit model, so only the sum is checked.
+    # share the one pool with the 16-bit model, so only the sum is checked. The pool hides two GPU differences:
+    # `pin_memory` is a no-op on the CPU accelerator, where on a GPU it makes a page-locked copy (the host holds a
+    # buffer twice for a moment at init: not modelled), and the gloo copies below are the CPU's alone.
     # size                                          init   steady fwd    fwd_bwd step
     (lambda t: t.p,                                   "ts",  "ts",  "ts",  "ts",  "ts"),  # bit16_groups_flat
     # `__init__`: the fp32 master partition; `initialize_optimizer_states`: its fp32 grad (both pinned on a GPU)
