@@ -83,12 +83,14 @@ def test_8b_lora_on_one_gpu_states_are_2_bytes_frozen_16_bytes_trained():
     e = estimate(config, ds(2), launch, lora=lora)
     want = 2 * (total - trainable) + 16 * trainable
     assert e.trainable_params == trainable and e.num_params == total
-    got = e.phases["forward_backward"]["model_states_bytes"]
+    # at the step: the adapters' reduced grads (`grads_in_partition`) exist from the backward to the step, not in
+    # the forward whose activations set the forward/backward peak
+    got = e.phases["optimizer_step"]["model_states_bytes"]
     assert abs(got / want - 1) < 0.005, (got, want)
     # full fine-tuning of the same model needs 16 bytes for every parameter: over 7 times the LoRA states
     full = estimate(config, ds(2), launch)
     assert full.trainable_params is None
-    assert full.phases["forward_backward"]["model_states_bytes"] > 7 * got
+    assert full.phases["optimizer_step"]["model_states_bytes"] > 7 * got
 
 
 def test_qlora_8b_holds_its_linear_weights_in_nf4():
@@ -101,11 +103,11 @@ def test_qlora_8b_holds_its_linear_weights_in_nf4():
     nf4 = linear * (0.5 + 1 / 64 + 4 / (64 * 256))
     want = nf4 + 2 * (total - trainable - linear) + 16 * trainable
     e = estimate(config, ds(2), Launch(1, 1, 1, 2048, True), lora=lora, load_in_4bit=True)
-    got = e.phases["forward_backward"]["model_states_bytes"]  # at the step DeepSpeed adds an fp32 grad copy
+    got = e.phases["optimizer_step"]["model_states_bytes"]  # the step's fp32 grad copy is a buffer
     assert abs(got / want - 1) < 0.005, (got, want)
     # and about a third of the bf16 LoRA peak's states: what makes an 8B model fit a 12 GB card
     bf16 = estimate(config, ds(2), Launch(1, 1, 1, 2048, True), lora=lora)
-    assert got < 0.4 * bf16.phases["forward_backward"]["model_states_bytes"]
+    assert got < 0.4 * bf16.phases["optimizer_step"]["model_states_bytes"]
     # each layer's weight is dequantised into a bf16 temporary while it computes: the largest one, in buffers
     fb = e.phases["forward_backward"]["buffers_bytes"] - bf16.phases["forward_backward"]["buffers_bytes"]
     assert fb == 2 * h * i
