@@ -23,10 +23,10 @@ Many scripts do not: the HF Trainer whenever `from_pretrained` runs before `Trai
   when ZeRO-3 releases the parameter after its forward (`param.data` emptied) the view keeps the whole gathered
   weight alive until that layer's backward. Without checkpointing, every linear weight is then held at the start
   of the backward (p bytes each), of which ZeRO-3 would have kept the last layers' anyway (its live-parameter
-  cap); with checkpointing, the checkpointed layers run their forward under no_grad and save nothing, and only
-  the output head, which ZeRO-3 usually keeps gathered for its backward anyway, is held. gpjt's Llama-3-8B
-  sweeps (DeepSpeed 0.14, model loaded first) show it: 33-36 GiB at a sequence of 1 token without checkpointing,
-  where the states are 15 GiB.
+  cap); with checkpointing, the checkpointed layers keep nothing from their forward (they recompute it in the
+  backward), and only the output head, which ZeRO-3 usually keeps gathered for its backward anyway, is held.
+  gpjt's Llama-3-8B sweeps (DeepSpeed 0.14, model loaded first) show it: 33-36 GiB at a sequence of 1 token
+  without checkpointing, where the states are 15 GiB.
 """
 
 from __future__ import annotations
@@ -77,18 +77,18 @@ def retained_linear_bytes(setup, pre: Preloaded, linear_params: int, head_params
     """Gathered linear weights that torch's linear keeps alive into the backward (module docstring), beyond what
     ZeRO-3 keeps gathered there anyway: it releases a parameter after its forward only past
     stage3_max_reuse_distance and stage3_max_live_parameters, so the last layers' weights are held either way, and
-    the estimate already counts up to that cap gathered in the forward (states_gpu.py `_gathered`). Measured on
+    the estimate already counts up to that cap gathered in the forward (states_gpu.py `gathered`). Measured on
     the CPU with real ZeRO-3 on 2 ranks and torch's linear put back (model B, bf16): +2 B for every linear weight
     with nothing kept gathered, that minus what the live cap keeps with one, and with checkpointing nothing once
     the cap holds the head. 0 from DeepSpeed 0.19.4 on, or below ZeRO-3."""
     from .states import Inputs
-    from .states_gpu import _gathered
+    from .states_gpu import gathered
 
     if setup.stage < 3 or pre.linear_wrapped:
         return 0
     t = Inputs.of(setup)
     held = setup.bytes_per_param * (head_params if checkpointing else linear_params)
-    return int(max(0.0, held - _gathered(t) * t.P))
+    return int(max(0.0, held - gathered(t) * t.P))
 
 
 def note(setup, shape, pre: Preloaded, checkpointing: bool) -> str:
@@ -107,9 +107,8 @@ def note(setup, shape, pre: Preloaded, checkpointing: bool) -> str:
     if kept:
         text += (f"; DeepSpeed {version} (before 0.19.4) leaves torch's linear holding views of the gathered weights, "
                  f"{kept / 2**30:.2f} GiB into the backward")  # fmt: skip
-    return (
-        text + ". Built under zero.Init (HF: TrainingArguments(deepspeed=...) before from_pretrained) it does neither"
-    )
+    return text + (". Built under zero.Init (HF: TrainingArguments(deepspeed=...) before from_pretrained) it does "
+                   + ("neither" if kept else "not"))  # fmt: skip
 
 
 def adjust(by_phase: dict, setup, shape, pre: Preloaded | None, checkpointing: bool) -> dict:

@@ -330,7 +330,7 @@ def frozen_phases(s: Setup) -> dict[str, PhaseBytes]:
         return out
     off_par = s.offload_param is not None
     cap = live_parameter_cap(s.zero)
-    # gathered whole, own shard included (states_gpu._gathered); on one rank only offload_param on a GPU fetches
+    # gathered whole, own shard included (states_gpu.gathered); on one rank only offload_param on a GPU fetches
     share = 1.0 if (N > 1 or (off_par and not cpu)) else 0.0
 
     def gathered(n: int) -> float:  # the live-parameter cap applies to frozen and trainable together

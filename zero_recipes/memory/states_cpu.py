@@ -181,7 +181,7 @@ ZERO3 = (
     (_zero3_partitions,                                     "s", "ts",  "ts", "ts",  "ts"),
     (lambda t: -_zero3_host(t),                             "s", "s",   "s",  "s",   "s"),   # on the host
     (_zero3_host,                                           "h", "h",   "h",  "h",   "h"),
-    # forward and backward: the params gathered whole, up to the live cap (states_gpu._gathered)
+    # forward and backward: the params gathered whole, up to the live cap (states_gpu.gathered)
     (lambda t: t.p * min(1.0 if t.N > 1 else 0.0, t.live_cap / t.P), "-", "-", "t", "t", "-"),
     # the grad of the param in flight and its reduced copy; under optimizer offload the grad and its partition's
     # fp64 norm copy (`_offload_grad_partition_at_boundary`, states.offload_norm_transient), then the reduce bucket

@@ -82,7 +82,7 @@ ZERO12 = (
 )  # fmt: skip
 
 
-def _gathered(t) -> float:
+def gathered(t) -> float:
     """Params gathered between use and release, up to the live cap (stage3_max_live_parameters +
     stage3_prefetch_bucket_size), each whole: zero/partition_parameters.py `_all_gather_dtype` and
     `_all_gather_sequential` gather into a new buffer of the param's full size (partition x world) and copy this
@@ -125,7 +125,7 @@ ZERO3 = (
     (lambda t: 4 * t.f,                                             "d", "-", "-", "-", "-"),
     # `__init__`: one ipg bucket of reduce_bucket_size when contiguous_gradients, kept
     (lambda t: t.reduce_bucket / t.P * t.p,                        "-", "d", "d", "d", "d"),
-    (_gathered,                                                     "-", "-", "d", "d", "-"),
+    (gathered,                                                     "-", "-", "d", "d", "-"),
     # the grad of the param in flight and its reduced copy
     (lambda t: 2 * t.p * t.f,                                       "-", "-", "-", "d", "-"),
     # offload: `partition_grads` -> `_offload_grad_partition_at_boundary` takes each reduced grad partition to

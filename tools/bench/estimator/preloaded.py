@@ -62,7 +62,7 @@ def markdown(report: dict) -> str:
               "With nothing kept gathered (live cap 0), torch's linear keeps 2 B of every linear weight without "
               "checkpointing, and of the head alone with it. With a cap, ZeRO-3 keeps its last layers gathered into "
               "the backward either way, so less is added; the estimate subtracts its own count of what the cap holds "
-              "(states_gpu.py `_gathered`), which is below what DeepSpeed keeps, since it fetches a whole parameter "
+              "(states_gpu.py `gathered`), which is below what DeepSpeed keeps, since it fetches a whole parameter "
               "past the cap (here the 8.2M-element head past a 5M cap), so the estimate is over there.", ""]  # fmt: skip
     return "\n".join(lines + footer(report)) + "\n"
 
