@@ -9,6 +9,7 @@ put back (DeepSpeed before 0.19.4). The difference is the retained term; the est
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -22,7 +23,7 @@ SETTINGS = [(False, 0), (False, 5_000_000), (True, 0), (True, 5_000_000)]
 def measure(checkpointing: bool, live: int, tmp: Path) -> dict:
     """One 2-rank launch: the peak with DeepSpeed's linear wrapper, then with torch's linear put back."""
     out = tmp / f"{int(checkpointing)}-{live}.json"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port(os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE"))), "--module",
            "bench.estimator.preloaded_rank", "--live", str(live), "--out", str(out)]  # fmt: skip
     run_checked(cmd + (["--checkpointing"] if checkpointing else []), None, 1200, " ".join(cmd))
     return json.loads(out.read_text())
