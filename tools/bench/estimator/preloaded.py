@@ -23,8 +23,9 @@ SETTINGS = [(False, 0), (False, 5_000_000), (True, 0), (True, 5_000_000)]
 def measure(checkpointing: bool, live: int, tmp: Path) -> dict:
     """One 2-rank launch: the peak with DeepSpeed's linear wrapper, then with torch's linear put back."""
     out = tmp / f"{int(checkpointing)}-{live}.json"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port(os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE"))), "--module",
-           "bench.estimator.preloaded_rank", "--live", str(live), "--out", str(out)]  # fmt: skip
+    port = free_port(os.environ.get("ZERO_RECIPES_TEST_PORT_RANGE"))  # the suite's range for this worker, if any
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "bench.estimator.preloaded_rank",
+           "--live", str(live), "--out", str(out)]  # fmt: skip
     run_checked(cmd + (["--checkpointing"] if checkpointing else []), None, 1200, " ".join(cmd))
     return json.loads(out.read_text())
 
