@@ -15,14 +15,9 @@ import torch._dynamo  # noqa: F401 -- imported before DeepSpeed, as train.py doe
 
 from zero_recipes.memory.probe import allocator_events, count_every_thread
 
-MODEL = {
-    "hidden_size": 512,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "intermediate_size": 1376,
-    "vocab_size": 16000,
-}  # fmt: skip  (the estimator benchmark's model B)
+from .report import MODELS
+
+MODEL = MODELS["B"]  # the estimator benchmark's model B
 MICRO, SEQ = 2, 512
 
 
