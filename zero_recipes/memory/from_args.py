@@ -3,11 +3,11 @@ resolved DeepSpeed config a run with them would use (`load`), and the estimate o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..modeling import lm_loss
 from . import objective, stack
 from .precision import FP32_ASSUMED, assumed_fp32
 from .table import lora_of
@@ -103,8 +103,6 @@ def model_config(args, cfg):
         raise ConfigError("no DeepSpeed config: give --deepspeed ds_configs/zero2.json (or any of ds_configs/)")
     if config_file and cfg.lora_r <= 0:
         check_config_file(config_file)
-    import dataclasses
-
     # the length is checked here, in the tool's words, against the context RoPE scaling extends it to
     config = modeling.load_model_config(dataclasses.replace(cfg, block_size=1))
     stack.scaled_positions(args, config, cfg.block_size)
@@ -193,11 +191,9 @@ def one(args, gpu_memory):
             f"a sequence-parallel group of {e.sequence_parallel} spans {args.num_gpus}-GPU nodes: its all-to-alls in "
             "every attention layer would cross the network; keep sequence_parallel_size within the GPUs per node"
         )
-    if launch.loss_tile_tokens != cfg.loss_tile_tokens:  # --liger's chunks
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, tiled_loss=True, loss_tile_tokens=launch.loss_tile_tokens)
-    e.notes = notes + e.notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(cfg, config, e.sequence_parallel))
+    e.notes = (
+        notes + e.notes + (pipeline_notes(e, ds) if e.pipeline else loss_notes(launch, config, e.sequence_parallel))
+    )
     e.notes += stack.notes(args)
     return e, cfg, config
 
@@ -223,22 +219,28 @@ def pipeline_notes(e, ds: dict) -> list[str]:
     return notes
 
 
-def loss_notes(cfg, config, sp: int) -> list[str]:
-    """Which loss and MLP the estimate traced, as train.py will run them (zero_recipes.modeling.lm_loss)."""
+def loss_notes(launch, config, sp: int) -> list[str]:
+    """Which loss and MLP the estimate traced for this Launch, as train.py will run them
+    (zero_recipes.modeling.lm_loss), or in Liger's chunks (stack.use_liger)."""
     from .activations import loss_tile
 
-    tile = loss_tile(config, cfg.per_device_train_batch_size, cfg.block_size, sp, lm_loss.tiles_loss(cfg),
-                     cfg.loss_tile_tokens)  # fmt: skip
-    local = cfg.per_device_train_batch_size * cfg.block_size // sp
+    micro, seq = launch.micro_batch_size, launch.seq_len
+    # as activation_bytes traces it: DPO's answer logits are never tiled
+    tile = (
+        None
+        if launch.objective == "dpo"
+        else loss_tile(config, micro, seq, sp, launch.tiled_loss, launch.loss_tile_tokens)
+    )
+    local = micro * seq // sp
     notes = []
-    if cfg.objective == "dpo":
-        notes.append(objective.note(cfg.per_device_train_batch_size, cfg.block_size))
+    if launch.objective == "dpo":
+        notes.append(objective.note(micro, seq))
     if tile and local > tile:
         notes.append(
             f"loss: tiled, {-(-local // tile)} tiles of {tile} tokens (one tile's logits held at a time, not "
             f"{local} tokens'); --tiled_loss false for the whole logits"
         )
-    if cfg.tiled_mlp:
+    if launch.tiled_mlp:
         hidden = config.get_text_config().hidden_size
-        notes.append(f"mlp: tiled, {-(-cfg.block_size // sp // hidden)} tile(s) of up to {hidden} tokens per MLP")
+        notes.append(f"mlp: tiled, {-(-seq // sp // hidden)} tile(s) of up to {hidden} tokens per MLP")
     return notes

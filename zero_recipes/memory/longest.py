@@ -34,11 +34,15 @@ def longest_sequence(config, ds: dict, launch, gpu_memory: int, shape=None, prog
     estimated (each a trace, seconds at a long sequence)."""
     import dataclasses
 
+    from zero_recipes.ds.facts import zero_stage
+
     from .estimate import OUTSIDE_ALLOCATOR_BYTES, Precomputed, estimate, fragmentation
 
     shape = shape or _shape(config)
     tried = {}
-    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (1 + fragmentation(3))  # the most a "yes" may peak at (ZeRO-3)
+    target = (gpu_memory - OUTSIDE_ALLOCATOR_BYTES) / (
+        1 + fragmentation(zero_stage(ds))
+    )  # the most a "yes" may peak at
 
     def peak(seq: int) -> int:
         if seq not in tried:

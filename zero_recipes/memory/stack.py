@@ -102,6 +102,13 @@ def scaled_positions(args, config, seq_len: int) -> None:
                       f"{factor:g} = {int(positions * factor)}; raise the factor or shorten it")  # fmt: skip
 
 
+def use_liger(launch, config, kernels: bool = True) -> None:
+    """Liger on a Launch: its fused linear cross-entropy as the loss tiled at Liger's chunk, and with `kernels` its
+    SwiGLU and RMSNorm in the trace too (liger.py)."""
+    launch.tiled_loss, launch.liger = True, kernels
+    launch.loss_tile_tokens = liger_chunk(launch.micro_batch_size * launch.seq_len, config)
+
+
 def liger_chunk(tokens: int, config) -> int:
     """Liger's fused linear cross-entropy chunk: ceil(tokens / ceil(V / h)), rounded up to a power of two."""
     text = config.get_text_config()
@@ -129,8 +136,7 @@ def launch_of(args, cfg, config, num_gpus: int, checkpointing: bool, micro: int 
     moments, temporaries = OPTIMIZERS.get(getattr(args, "optim", None) or "", (None, None))
     launch.moment_bytes, launch.optimizer_temporaries = moments, temporaries
     if getattr(args, "liger", None) == "true":
-        launch.liger = launch.tiled_loss = True
-        launch.loss_tile_tokens = liger_chunk(micro * cfg.block_size, config)
+        use_liger(launch, config)
     return launch
 
 

@@ -76,12 +76,10 @@ def estimate_case(case: dict):
         tiled_loss=False,  # these projects compute the whole vocabulary's logits at once; train.py tiles them
         preloaded=preloaded_of(case),
     )
-    if case.get("liger"):  # Liger's fused linear cross-entropy, as tools/estimate_memory.py --liger true
-        from zero_recipes.memory.stack import liger_chunk
+    if case.get("liger"):  # as tools/estimate_memory.py --liger true; "loss": the fused cross-entropy alone
+        from zero_recipes.memory.stack import use_liger
 
-        launch.tiled_loss = True  # "loss": the fused cross-entropy alone; true: its SwiGLU and RMSNorm too
-        launch.liger = case["liger"] is True
-        launch.loss_tile_tokens = liger_chunk(case["micro_batch_size"] * case["seq_len"], config)
+        use_liger(launch, config, kernels=case["liger"] is True)
     lora = lora_of(case)
     return estimate(config, ds, launch, gpu_memory=int(case["gpu_memory_gib"] * 2**30), lora=lora,
                     load_in_4bit=bool(case.get("load_in_4bit")))  # fmt: skip
