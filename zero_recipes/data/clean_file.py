@@ -191,5 +191,5 @@ def summary_lines(report: dict) -> list[str]:
     for why, r in report["removed"].items():
         lines.append(f"  removed, {why}: {r['documents']}")
     out = Path(report["output"])
-    lines.append(f"  wrote {out}, {report_path(out)} and the removed rows with why: {removed_path(out)}")
+    lines.append(f"  wrote {out}, {report_path(out)} and the removed rows with why: {report['removed_rows']}")
     return lines
