@@ -5,6 +5,7 @@ paths must agree on every document, report what they removed, and keep the clean
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -150,3 +151,19 @@ def test_streaming_skips_what_cleaning_drops_and_resumes_at_the_same_example(tmp
     again = data.prepare_stream(cfg, tok, 0, 1, lambda *_: None).train
     again.load_state_dict(state)
     assert [again.next_batch()["input_ids"].tolist() for _ in range(3)] == after
+
+
+@pytest.mark.parametrize(
+    "engine, says",
+    [
+        ("ray", "error: --executor ray needs Ray: pip install ray (or use --executor local)"),
+        ("slurm", "error: --executor slurm needs Slurm's sbatch on PATH; run it on a cluster's login node"),
+    ],
+)
+def test_an_executor_whose_engine_is_missing_is_one_line_and_writes_nothing(tmp_path, monkeypatch, engine, says):
+    raw = write(tmp_path / "raw.jsonl", corpus())
+    monkeypatch.setitem(sys.modules, "ray", None)  # how Python sees a package that is not installed
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    done = tool_in_process("clean_data", raw, "--output", tmp_path / "out", "--executor", engine, "--tasks", "2")
+    assert done.returncode == 2 and done.stderr == says + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.jsonl"]
