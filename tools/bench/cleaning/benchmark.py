@@ -65,13 +65,19 @@ def run_clean(corpus: Path, out: Path, flags: list[str], workers: int) -> dict:
 
 
 def fates(out: Path) -> dict[int, tuple[str, object]]:
-    """document id -> (why removed, '' if kept; the id it duplicates, or the kept text)."""
-    kept = (json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x)
-    result = {r["id"]: ("", r["text"]) for r in kept}
-    removed = out.with_name(out.stem + ".removed.jsonl")
-    for line in removed.read_text(encoding="utf-8").split("\n")[:-1]:
-        r = json.loads(line)
-        result[r["id"]] = (r["removed_because"], r["duplicate_of"])
+    """document id -> (why removed, '' if kept; the id it duplicates, or the kept text). `out` is a file, or the
+    directory of shards `--executor` writes (its removed rows in OUT.removed/)."""
+    kept, removed = ([out], [out.with_name(out.stem + ".removed.jsonl")]) if not out.is_dir() else (
+        sorted(out.glob("*.jsonl")), sorted(Path(f"{out}.removed").glob("*.jsonl")))  # fmt: skip
+    result = {}
+    for path in kept:
+        for line in open(path, encoding="utf-8"):
+            r = json.loads(line)
+            result[r["id"]] = ("", r["text"])
+    for path in removed:
+        for line in open(path, encoding="utf-8"):
+            r = json.loads(line)
+            result[r["id"]] = (r["removed_because"], r["duplicate_of"])
     return result
 
 
@@ -149,6 +155,10 @@ def threshold_sweep(docs: list[dict], limit: int) -> dict:
 
 
 def cmd_cleaning(args) -> int:
+    if args.executors:
+        from .executors import cmd_executors
+
+        return cmd_executors(args)
     n = 2000 if args.quick else args.documents
     workers = args.num_proc or len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,4 +276,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--num-proc", type=int, default=None, help="clean_data's workers (default: all cores)")
     p.add_argument("--quick", action="store_true", help="2,000 documents (the test)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where cleaning-DATE.{md,json} go")
+    p.add_argument("--executors", action="store_true",
+                   help="in memory against --executor local (1, 2, 4 tasks) at --documents and --large documents, "
+                        "under --memory-limit (cleaning-executors-DATE.md)")  # fmt: skip
+    p.add_argument("--large", type=int, default=1_000_000, help="the large corpus (--dedupe near alone)")
+    p.add_argument("--tasks", default="1,2,4", help="the executor runs' task counts")
+    p.add_argument("--memory-limit", default="4GiB", help="each run's memory cgroup")
+    p.add_argument("--work-dir", default=None, help="where the corpora and outputs go (several GB at 1M)")
     p.set_defaults(func=cmd_cleaning)
