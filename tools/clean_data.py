@@ -79,9 +79,9 @@ def main(argv=None) -> int:
             return 0
         tasks = 1 if args.tasks is None else args.tasks
         workers = tasks if args.workers is None else args.workers
-        clean_at_scale.check(cfg, args.output, args.executor, tasks, workers, args.partition)
+        partition = clean_at_scale.check(cfg, args.output, args.executor, tasks, workers, args.partition)
         plan = clean_at_scale.Plan(cfg, args.output, tasks, args.logging_dir)
-        clean_at_scale.run(plan, args.executor, workers, args.partition, args.time)
+        clean_at_scale.run(plan, args.executor, workers, partition, args.time)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -182,8 +182,8 @@ def duplicate_example(plan: Plan, e: dict) -> dict:
 # ---- checks, then the engines ---------------------------------------------------------------------------
 
 
-def check(cfg, output: Path, engine: str, tasks: int, workers: int, partition: str | None) -> None:
-    """Everything refused before a file is written: one line each."""
+def check(cfg, output: Path, engine: str, tasks: int, workers: int, partition: str | None) -> str | None:
+    """Everything refused before a file is written, one line each; returns the Slurm partition to use."""
     if tasks < 1:
         raise ConfigError(f"--tasks must be at least 1, got {tasks}")
     if workers < 1:
@@ -202,19 +202,28 @@ def check(cfg, output: Path, engine: str, tasks: int, workers: int, partition: s
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError("--executor ray needs Ray: pip install ray (or use --executor local)") from None
-    if engine == "slurm":
-        if shutil.which("sbatch") is None:
-            raise ConfigError("--executor slurm needs Slurm's sbatch on PATH; run it on a cluster's login node")
-        check_partition(partition)
-
-
-def check_partition(partition: str | None) -> None:
-    """Slurm's own verdict on the partition (and account, limits), without submitting anything."""
-    cmd = ["sbatch", "--test-only", "--wrap", "true"] + (["--partition", partition] if partition else [])
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    if engine != "slurm":
+        return None
+    if shutil.which("sbatch") is None:
+        raise ConfigError("--executor slurm needs Slurm's sbatch on PATH; run it on a cluster's login node")
+    partition = partition or default_partition()
+    # Slurm's own verdict on the partition (and account, limits), without submitting anything
+    done = subprocess.run(
+        ["sbatch", "--test-only", "--partition", partition, "--wrap", "true"], capture_output=True, text=True
+    )
     if done.returncode != 0:
         said = [line for line in done.stderr.splitlines() if line.strip()]
-        raise ConfigError(f"Slurm refused the job: {said[-1] if said else done.returncode}")
+        raise ConfigError(f"Slurm refused a job on partition {partition}: {said[-1] if said else done.returncode}")
+    return partition
+
+
+def default_partition() -> str:
+    """The cluster's default partition (sinfo marks it with *): datatrove's executor must name one."""
+    listed = subprocess.run(["sinfo", "--noheader", "--format", "%P"], capture_output=True, text=True).stdout.split()
+    default = [p.rstrip("*") for p in listed if p.endswith("*")]
+    if not default:
+        raise ConfigError("this Slurm cluster has no default partition; pass --partition NAME (sinfo lists them)")
+    return default[0]
 
 
 def check_resumable(plan: Plan) -> None:

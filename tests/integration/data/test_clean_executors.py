@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, free_port, tool_in_process
+from slurm_cluster import cluster  # noqa: F401 -- the module-scoped fixture: a real one-node Slurm
 from zero_recipes.config.train_config import TrainConfig
 from zero_recipes.data import sources
 
@@ -135,4 +136,27 @@ def test_ray_executor_on_a_real_local_cluster_keeps_what_the_in_memory_path_keep
     run = clean_data(cleaned[0], "--output", out, *FLAGS, "--executor", "ray", "--tasks", "2", env=ray_cluster)
     said, _ = run.communicate(timeout=600)
     assert run.returncode == 0, said[-3000:]
+    assert_same_as_in_memory(cleaned, out)
+
+
+def test_slurm_executor_on_a_real_slurm_keeps_what_the_in_memory_path_keeps(cleaned, cluster, tmp_path):  # noqa: F811
+    out = tmp_path / "clean"
+    wrong = clean_data(
+        cleaned[0], "--output", out, *FLAGS, "--executor", "slurm", "--partition", "nope", env=cluster.env
+    )
+    said, _ = wrong.communicate(timeout=120)  # Slurm's own words, in one line, and nothing written
+    assert (
+        wrong.returncode == 2
+        and said
+        == "error: Slurm refused a job on partition nope: allocation failure: Invalid partition name specified\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    run = clean_data(cleaned[0], "--output", out, *FLAGS, "--executor", "slurm", "--tasks", "2", env=cluster.env)
+    said, _ = run.communicate(timeout=120)
+    assert run.returncode == 0 and "clean: submitted Slurm jobs" in said, said[-3000:]
+    deadline = time.time() + 600
+    while cluster.run(["squeue", "--noheader"]).stdout.strip() and time.time() < deadline:
+        time.sleep(1)
+    assert out.with_name("clean.report.json").exists(), cluster.log()
     assert_same_as_in_memory(cleaned, out)
