@@ -22,8 +22,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
+from ..checkpointing import atomic
 from ..errors import ConfigError
 from . import dedupe, formats
 from .clean_dedupe_steps import ClusterDuplicates, DropDuplicates, FindDuplicatePairs
@@ -254,28 +256,22 @@ def begin(plan: Plan) -> None:
 
 
 def executors(plan: Plan, engine: str, workers: int, partition: str | None, time_limit: str) -> list:
-    """One datatrove executor per stage, each with its own logging directory (its completions)."""
+    """(stage name, its datatrove executor), each with its own logging directory (its completions)."""
     made = []
     for name, pipeline, tasks in stages(plan):
         common = dict(pipeline=pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=str(plan.logs / name))
         if engine == "local":
-            from datatrove.executor import LocalPipelineExecutor
-
-            made.append(LocalPipelineExecutor(**common))
+            made.append((name, LocalPipelineExecutor(**common)))
         elif engine == "ray":
-            from datatrove.executor import RayPipelineExecutor
-
-            made.append(RayPipelineExecutor(**common, mem_per_cpu_gb=1))
+            made.append((name, RayPipelineExecutor(**common, mem_per_cpu_gb=1)))
         else:
-            from datatrove.executor import SlurmPipelineExecutor
-
-            made.append(
+            made.append((name,
                 SlurmPipelineExecutor(
-                    **common, depends=made[-1] if made else None, partition=partition, time=time_limit,
+                    **common, depends=made[-1][1] if made else None, partition=partition, time=time_limit,
                     job_name=f"clean-{name}", cpus_per_task=1, mem_per_cpu_gb=1,
                     slurm_logs_folder=str(plan.logs / name / "slurm"),
-                )
-            )  # fmt: skip
+                ),
+            ))  # fmt: skip
     return made
 
 
@@ -286,15 +282,17 @@ def run(plan: Plan, engine: str, workers: int, partition: str | None, time_limit
     begin(plan)
     chain = executors(plan, engine, workers, partition, time_limit)
     if engine == "slurm":
-        chain[-1].run()  # submits its dependencies first
-        ids = ", ".join(str(e.job_id) for e in chain)
+        chain[-1][1].run()  # submits its dependencies first
+        ids = ", ".join(str(e.job_id) for _, e in chain)
         log(f"clean: submitted Slurm jobs {ids}; the report will be {report_path(plan.output)} (squeue to watch)")
         return None
     if engine == "ray":
         import ray
 
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
-    for (name, _, _), stage in zip(stages(plan), chain):
+    seconds = {}
+    for name, stage in chain:
+        start = time.perf_counter()
         try:
             stage.run()
         except Exception as e:  # a task's own error, already in its log: said in one line, and resumable
@@ -303,9 +301,12 @@ def run(plan: Plan, engine: str, workers: int, partition: str | None, time_limit
             raise StageFailed(
                 f"stage {name}: task(s) {', '.join(map(str, failed[:5]))} did not finish; {resume_hint(plan, name)}"
             )
-    report = json.loads(report_path(plan.output).read_text())
+        seconds[name] = round(time.perf_counter() - start, 1)  # where the time goes: what more machines would cut
+    report = json.loads(report_path(plan.output).read_text()) | {"stage_seconds": seconds}
+    atomic.write_text(report_path(plan.output), json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     for line in summary_lines(report):
         log(line)
+    log("  stages: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()))
     return report
 
 
