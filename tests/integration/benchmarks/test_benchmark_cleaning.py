@@ -5,7 +5,7 @@ cleaning is for: near-duplicates that exact hashing misses, garbled text dropped
 
 import json
 
-from helpers import run_quick
+from helpers import benchmark, run_quick
 
 
 def test_cleaning_benchmark_quick(tmp_path):
@@ -29,3 +29,21 @@ def test_cleaning_benchmark_quick(tmp_path):
         >= sweep["0.9"]["near_recall"]["value"]
     )
     assert r["all_steps"]["report"]["documents_per_second"] > 0 and r["all_steps"]["peak_rss_mib"] > 0
+
+
+def test_cleaning_executors_quick_the_in_memory_path_runs_out_of_memory_where_the_executor_fits(tmp_path):
+    """`cleaning --executors --quick` under a 140 MiB cgroup: the in-memory path (datasets + a signature index)
+    is killed for memory on both corpora, the executor path (one batch at a time) cleans them within it."""
+    proc = benchmark("cleaning", "--executors", "--quick", "--tasks", "1", "--memory-limit", "140MiB",
+                     "--out-dir", str(tmp_path), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    [report] = tmp_path.glob("cleaning-executors-*.json")
+    r = json.loads(report.read_text())
+    runs = {(x["documents"], x["setting"]): x for x in r["runs"]}
+    for size in (r["small"], r["large"]):
+        in_memory, executor = runs[size, "in memory"], runs[size, "local, 1 task(s)"]
+        assert in_memory["out_of_memory"] and in_memory["returncode"] != 0
+        assert executor["returncode"] == 0 and not executor["out_of_memory"] and executor["cgroup_peak_mib"] <= 140
+        assert executor["scores"]["near_recall"]["value"] >= 0.85
+        assert executor["scores"]["near_precision"]["value"] >= 0.98
+    assert "ran out of memory at 140MiB" in report.with_suffix(".md").read_text()

@@ -277,7 +277,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--quick", action="store_true", help="2,000 documents (the test)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks"), help="where cleaning-DATE.{md,json} go")
     p.add_argument("--executors", action="store_true",
-                   help="in memory against --executor local (1, 2, 4 tasks) at --documents and --large documents, "
+                   help="in memory against --executor local (--tasks) at --documents and --large documents (--quick: 600, 1,500), "
                         "under --memory-limit (cleaning-executors-DATE.md)")  # fmt: skip
     p.add_argument("--large", type=int, default=1_000_000, help="the large corpus (--dedupe near alone)")
     p.add_argument("--tasks", default="1,2,4", help="the executor runs' task counts")

@@ -58,12 +58,20 @@ def build_corpus(n: int, seed: int, path: Path, chunk: int = 100_000) -> list[di
     return labels
 
 
-def tree_peaks(proc: subprocess.Popen, stop: threading.Event, out: dict) -> None:
-    """The peak RSS of the largest process and of the whole tree, sampled every 0.1 s."""
+def tree_peaks(proc: subprocess.Popen, stop: threading.Event, out: dict, cg: Path) -> None:
+    """The peak RSS of the largest process and of the whole tree, sampled every 0.1 s. When the kernel kills a
+    process of the cgroup for memory, the rest of it is ended too, as a cluster ends a job: a worker killed
+    under `datasets.map` would otherwise leave its parent waiting for it forever."""
     import psutil
 
     root = psutil.Process(proc.pid)
     while not stop.is_set():
+        if "oom_kill 0" not in (cg / "memory.oom_control").read_text():
+            for pid in (cg / "cgroup.procs").read_text().split():
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
         try:
             rss = [p.memory_info().rss for p in [root, *root.children(recursive=True)]]
             out["process"] = max(out.get("process", 0), max(rss))
@@ -91,7 +99,7 @@ def run(name: str, corpus: Path, out: Path, flags: list[str], limit: int) -> dic
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=join
     )
     stop, peaks = threading.Event(), {}
-    sampler = threading.Thread(target=tree_peaks, args=(proc, stop, peaks))
+    sampler = threading.Thread(target=tree_peaks, args=(proc, stop, peaks, cg))
     sampler.start()
     said, _ = proc.communicate()
     stop.set()
@@ -194,7 +202,7 @@ def cmd_executors(args) -> int:
     from ..common import new_report, write_report
     from .benchmark import cleaning_corpus_versions
 
-    small, large = (1000, 3000) if args.quick else (args.documents, args.large)
+    small, large = (600, 1500) if args.quick else (args.documents, args.large)
     tasks = [int(t) for t in args.tasks.split(",")]
     limit = parse_bytes(args.memory_limit)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
