@@ -111,6 +111,9 @@ class SlurmCluster:
         while time.time() < deadline:
             fields = self.job(jobid)
             if fields.get("JobState") == "PENDING" and int(fields.get("Restarts", 0)) >= restarts:
+                # slurmd refuses the job's new credential if it dates from the second its old one was revoked
+                # ("Job credential revoked": the job fails), which the hold normally keeps from happening
+                time.sleep(1.5)
                 self.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"])
                 return
             self.check_alive()

@@ -51,7 +51,7 @@ class Job:
             if (done := max(self.steps(), default=0)) > after:
                 return done
             state = self.cluster.state(self.id)
-            assert state in ("PENDING", "RUNNING"), f"job {self.id} {state}\n{self.log[-6000:]}"
+            assert state in ("PENDING", "RUNNING"), f"job {self.id} {state}\n{self.log[-6000:]}\n{self.cluster.log()}"
             time.sleep(0.2)
         raise AssertionError(f"job {self.id} logged no step past {after} in {timeout}s\n{self.log[-6000:]}")
 
