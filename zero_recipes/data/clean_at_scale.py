@@ -1,7 +1,7 @@
 """`tools/clean_data.py --executor local|ray|slurm`: the cleaning steps as datatrove pipelines, one per stage,
 run by datatrove's executors, for corpora larger than one machine's memory.
 
-Stages (`stages`): 1. clean (`--tasks` shares of the input: edits, judges, signatures); then, with `--dedupe`,
+Stages (`stages`): 0. lines (each task counts the newlines of its byte range); 1. clean (`--tasks` shares of the input: edits, judges, signatures); then, with `--dedupe`,
 2. verified pairs (the bands shared among up to `--tasks` tasks), 3. clusters (one task), 4. filter (`--tasks`); last, the report (one
 task). Memory per task is a batch of documents and one record per open signature file; the cluster task holds
 the duplicates only.
@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from . import dedupe, formats
 from .clean_dedupe_steps import ClusterDuplicates, DropDuplicates, FindDuplicatePairs
 from .clean_file import EXAMPLES_PER_REASON, check_paths, report_path, summary_lines
-from .clean_steps import CleanRows, ReadRows, WriteRows, WriteSignatures, published, row_text
+from .clean_steps import CleanRows, CountLines, ReadRows, WriteRows, WriteSignatures, published, row_text
 from .cleaning import Cleaner, check_format
 from .options import DataOptions
 
@@ -101,13 +101,13 @@ def stages(plan: Plan) -> list[tuple[str, list, int]]:
     """(name, pipeline, tasks) per stage, in order."""
     p, deduping = plan, plan.opts.dedupe != "none"
     first = [
-        ReadRows(str(p.input)),
+        ReadRows(str(p.input), p.path("lines")),
         CleanRows(p.data_opts, p.fmt, str(removed_dir(p.output)), p.path("parts"), p.path("staging")),
     ]
     if deduping:
         first.append(WriteSignatures(p.path("sigs"), p.bands, p.rows, p.width))
     first.append(WriteRows(p.path("kept") if deduping else str(p.output), p.path("staging"), with_index=deduping))
-    out = [("1-clean", first, p.tasks)]
+    out = [("0-lines", [CountLines(str(p.input), p.path("lines"))], p.tasks), ("1-clean", first, p.tasks)]
     if deduping:
         out += [
             ("2-pairs", [FindDuplicatePairs(p.path("sigs"), p.path("pairs"), p.bands, p.rows, p.width, p.threshold_used)], min(p.bands, p.tasks)),

@@ -53,6 +53,35 @@ def line_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
     return size * rank // world_size, size * (rank + 1) // world_size
 
 
+class CountLines(PipelineStep):
+    """Stage 0: the newlines in task `rank`'s byte range (`lines/RRRRR`), so that each reader knows its first
+    line's number from the counts before it, and the file is read once across all tasks, not once per task."""
+
+    name = "count lines"
+    type = "READER"
+
+    def __init__(self, path: str, folder: str):
+        super().__init__()
+        self.path, self.folder = path, Path(folder)
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        start, end = line_range(os.path.getsize(self.path), rank, world_size)
+        n, left = 0, end - start
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            while left > 0:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    break
+                n += chunk.count(b"\n")
+                left -= len(chunk)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{rank:05d}.{os.getpid()}"
+        tmp.write_text(str(n))
+        os.replace(tmp, self.folder / f"{rank:05d}")
+        return iter(())
+
+
 class ReadRows(PipelineStep):
     """Task `rank`'s lines of one JSON-lines file, in order, as Documents whose metadata holds the row and its
     0-based line number (`index`, the in-memory path's row index when the file has no blank lines)."""
@@ -60,18 +89,21 @@ class ReadRows(PipelineStep):
     name = "read rows"
     type = "READER"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, line_counts: str):
         super().__init__()
-        self.path = path
+        self.path, self.line_counts = path, Path(line_counts)
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         start, end = line_range(os.path.getsize(self.path), rank, world_size)
+        # the lines that end before `start` are those the earlier ranges hold
+        index = sum(int((self.line_counts / f"{r:05d}").read_text()) for r in range(rank))
         with open(self.path, "rb") as f:
             if start:
                 f.seek(start - 1)
-                f.readline()  # finish the line that started in the previous task's range
+                if f.read(1) != b"\n":
+                    f.readline()  # the line that started in the previous task's range is that task's
+                    index += 1
             pos = f.tell()
-            index = count_newlines(self.path, pos)
             while pos < end:
                 line = f.readline()
                 if not line:
@@ -85,19 +117,6 @@ class ReadRows(PipelineStep):
                     self.stat_update("documents")
                     yield Document(text="", id=str(index), metadata={"row": row, "index": index})
                 index += 1
-
-
-def count_newlines(path: str, upto: int) -> int:
-    """Lines before byte `upto`: how a task knows its first line's number without the others (~1 GB/s)."""
-    n, left = 0, upto
-    with open(path, "rb") as f:
-        while left > 0:
-            chunk = f.read(min(left, 1 << 24))
-            if not chunk:
-                break
-            n += chunk.count(b"\n")
-            left -= len(chunk)
-    return n
 
 
 def batches(data, size: int = BATCH):
