@@ -30,8 +30,10 @@ from zero_recipes.config.shipped import (
 )
 
 # recipe -> the data it trains on, ranks and launcher for this test, and what its resolved DeepSpeed
-# config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher; the
-# other 2-rank recipes forked under torchrun's agent, whose subject is the recipe: docs/dev/test-suite.md#launchers).
+# config must say. ZeRO-3 runs on 2 ranks once (the multi-node recipe, through the deepspeed launcher); every
+# other recipe, on 1 rank or 2, is forked under torchrun's agent, since its subject is the recipe
+# (docs/dev/test-suite.md#launchers): a 1-rank recipe as `python train.py` took 7-21 s a launch here, most of it
+# importing torch, transformers and DeepSpeed again, which a forked rank starts past.
 CATALOGUE = {
     "gpt2-wikitext103.yaml": dict(data="wikitext", nproc=1, stage=1, offload=(None, None)),
     "smollm2-135m-pretrain.yaml": dict(data="fineweb-edu", nproc=1, stage=2, offload=(None, None)),
@@ -80,6 +82,11 @@ TINY = {
 TINY["qwen2"] = TINY["mistral"] = TINY["llama"]
 TINY["qwen3_moe"] = dict(TINY["llama"], moe_intermediate_size=32)  # its 128 experts, 8 per token, as published
 BLOCK = {"text": 64, "sft": 128}
+# Rows of each stand-in's train split. 400 feed every recipe's 2 steps (the most: 64 packed 128-token rows) and plant
+# c4-news's 16 garbled articles. A preference run computes its reference log-probs over the whole split before its
+# first step, so ultrafeedback has only what the DPO recipes' 2 steps take (16 pairs a step) and a margin: with 400
+# pairs, the 1-rank LoRA DPO recipe's reference pass took 6 s on a quiet 2-core host and 32-44 s on a busy one.
+TRAIN_ROWS = {"ultrafeedback": 48}
 
 
 def recipe_of(name: str) -> dict:
@@ -225,23 +232,33 @@ def rows(kind: str, n: int, start: int = 0) -> list[dict]:
     return out
 
 
-def tiny_dataset(name: str, out: Path) -> list[str]:
+def tiny_dataset(name: str, parent: Path) -> list[str]:
     """A local directory laid out like the recipe's hub dataset: its config name and split names in the
-    README's `configs`, the same columns, so the recipe's dataset options stay as shipped."""
+    README's `configs`, the same columns, so the recipe's dataset options stay as shipped. The directory is named
+    after its contents: `datasets` caches a local directory's splits under its name and config, not its files
+    (~/.cache/huggingface/datasets/data/default/...), so a directory of one name would be read back from an
+    earlier run's rows whatever this run wrote."""
+    import hashlib
+
     import datasets
 
     recipe, kind = recipe_of(name), CATALOGUE[name]["data"]
-    out.mkdir()
-    if kind == "alpaca":  # yahma/alpaca-cleaned: one JSON array at the repo root, a single train split
-        (out / "alpaca_data_cleaned.json").write_text(json.dumps(rows(kind, 400)))
-        return ["--dataset_name", str(out)]
-    if kind == "longalign":  # THUDM/LongAlign-10k: one JSON-lines file at the repo root, a single train split
-        (out / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(kind, 400)))
-        return ["--dataset_name", str(out)]
-    splits = {recipe.get("dataset_split", "train"): rows(kind, 400)}
-    if recipe.get("eval_split"):
-        splits[recipe["eval_split"]] = rows(kind, 40, start=10_000)
     config = recipe.get("dataset_config_name") or "default"
+    if kind in ("alpaca", "longalign"):  # one file at the repo root, a single train split
+        splits = {"train": rows(kind, 400)}
+    else:
+        splits = {recipe.get("dataset_split", "train"): rows(kind, TRAIN_ROWS.get(kind, 400))}
+        if recipe.get("eval_split"):
+            splits[recipe["eval_split"]] = rows(kind, 40, start=10_000)
+    digest = hashlib.sha256(json.dumps([kind, config, splits], sort_keys=True).encode()).hexdigest()[:12]
+    out = parent / f"{kind}-{digest}"
+    out.mkdir(parents=True)
+    if kind == "alpaca":  # yahma/alpaca-cleaned: one JSON array at the repo root
+        (out / "alpaca_data_cleaned.json").write_text(json.dumps(splits["train"]))
+        return ["--dataset_name", str(out)]
+    if kind == "longalign":  # THUDM/LongAlign-10k: one JSON-lines file at the repo root
+        (out / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits["train"]))
+        return ["--dataset_name", str(out)]
     files = []
     for split, data in splits.items():
         path = f"{config}/{split}-00000-of-00001.parquet"
@@ -282,7 +299,7 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, tokenizer_dir):
         fragments = [next((small for key, small in shrunk.items() if key in f), f) for f in recipe["deepspeed"]]
         assert fragments != recipe["deepspeed"], f"{name}: no tpN.json, spN.json, ppN.json or epN.json to shrink"
         args += ["--deepspeed", *fragments]
-    launcher = "python" if spec["nproc"] == 1 else "deepspeed" if "multinode" in name else "forked"
+    launcher = "deepspeed" if "multinode" in name else "forked"
     run = launch(args, tmp_path / "run", nproc=spec["nproc"], launcher=launcher).check()
     if tp > 1:
         dp = spec["nproc"] // tp
@@ -363,7 +380,7 @@ def test_tiny_long_context_recipe_trains_two_steps_on_two_ranks(tmp_path):
     """As shipped (ZeRO-3, SP2, gradient checkpointing, tiled loss) but with 1024-token rows and 2 steps."""
     args = ["--recipe", "recipes/tiny-longctx-sp2.yaml", "--max_steps", "2", "--block_size", "1024"]
     args += ["--logging_steps", "1", "--max_eval_batches", "1", "--save_steps", "2", "--eval_steps", "2"]
-    run = launch(args, tmp_path / "run", nproc=2).check()
+    run = launch(args, tmp_path / "run", nproc=2, launcher="forked").check()  # the recipe is the subject
     assert "distributed: 2 ranks = 1 data-parallel x 2 sequence-parallel" in run.log
     assert "each rank trains 512 of every 1024 tokens" in run.log
     assert len(run.losses) == 2 and all(math.isfinite(x) for x in run.losses)
@@ -373,7 +390,9 @@ def test_tiny_long_context_recipe_trains_two_steps_on_two_ranks(tmp_path):
 def test_tiny_moe_recipe_trains_two_steps_on_two_ranks(tmp_path):
     """As shipped (the inline Mixtral, 8 experts top-2, ZeRO-2, the embedded corpus) but for 2 steps."""
     args = ["--recipe", "recipes/tiny-moe.yaml", "--max_steps", "2", "--logging_steps", "1", "--max_eval_batches", "1"]
-    run = launch(args + ["--save_steps", "2", "--eval_steps", "2"], tmp_path / "run", nproc=2).check()
+    run = launch(
+        args + ["--save_steps", "2", "--eval_steps", "2"], tmp_path / "run", nproc=2, launcher="forked"
+    ).check()
     assert "active per token (8 experts, 2 per token, 4 of 4 layers sparse)" in run.log
     assert len(run.losses) == 2 and all(math.isfinite(x) for x in run.losses)
     assert [r for r in run.records if "eval_loss" in r]
