@@ -17,8 +17,7 @@ from zero_recipes.memory.probe import allocator_events, count_every_thread
 
 from .report import MODELS
 
-MODEL = MODELS["B"]  # the estimator benchmark's model B
-MICRO, SEQ = 2, 512
+MODEL, MICRO, SEQ = "B", 2, 512  # the estimator benchmark's model B (--model, --seq: --quick's smaller run)
 
 
 def ds_config(live: int) -> dict:
@@ -49,6 +48,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--live", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=MODEL, choices=sorted(MODELS))
+    ap.add_argument("--seq", type=int, default=SEQ)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args(argv)
     count_every_thread()
@@ -56,13 +57,14 @@ def main(argv: list[str]) -> int:
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", **MODEL)
+    model_fields = MODELS[args.model]
+    config = AutoConfig.for_model("llama", **model_fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # built first, on the host
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args.live))
-    ids = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ))
+    ids = torch.randint(0, model_fields["vocab_size"], (MICRO, args.seq))
 
     def forward_backward():
         engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
