@@ -84,6 +84,13 @@ COMMANDS = {
 }
 
 
+# What refuses to start on a busy host: the commands that time something on this machine. The others measure
+# memory, accuracy or a published figure (their reports still record the host), and `gpu` runs on a lent machine
+# whose minutes are counted. --quick proves a code path, not a speed: it never refuses.
+TIMED = {"data", "cleaning", "mfu", "train", "profile", "sft", "dpo", "settings", "lora", "parallel", "pipeline"}
+TIMED |= {"moe", "optimizers"}
+
+
 def modules_for(argv: list[str]) -> list[str]:
     """The bench modules to import for this command line: the command's own, or all of them."""
     chosen = COMMANDS.get(argv[0]) if argv else None
@@ -95,7 +102,24 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in modules_for(argv):
         importlib.import_module(f"bench.{name}").add_parsers(sub)
+    for command in sub.choices.values():
+        command.add_argument(
+            "--allow-loaded",
+            action="store_true",
+            help="measure even when other processes keep the host busy (the report is marked loaded)",
+        )
     args = parser.parse_args(argv)
+    from bench import host_load
+
+    if args.command in TIMED and not args.allow_loaded and not getattr(args, "quick", False):
+        if busy := host_load.check_quiet():
+            print(
+                f"error: the host is busy: {busy}. Timings now would measure the contention: wait until it is quiet, "
+                "or pass --allow-loaded to measure anyway (the report says it was loaded)",
+                file=sys.stderr,
+            )
+            return 2
+    host_load.start(args.allow_loaded)
     return args.func(args)
 
 

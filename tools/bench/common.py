@@ -15,6 +15,8 @@ from pathlib import Path
 from zero_recipes.distributed.ports import free_port  # noqa: F401 -- one port policy for train.py, tests, benchmarks
 from zero_recipes.training.device_peak import cpu_name
 
+from . import host_load
+
 REPO = Path(__file__).resolve().parent.parent.parent  # train.py, ds_configs/ and benchmarks/ are found here
 TOOLS = REPO / "tools"  # where the `bench` package is imported from (the folder of tools/benchmark.py)
 
@@ -113,6 +115,7 @@ def new_report(**fields) -> dict:
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
         **environment(),
+        "host": host_load.summary(),  # what the rest of the machine did while this ran (None: not recorded)
         **fields,
     }
 
@@ -139,6 +142,7 @@ def footer(r: dict) -> list[str]:
         + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ", no GPU")
         + ".",
         "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".",
+        *filter(None, [host_load.footer_line(r.get("host"))]),
     ]
 
 

@@ -4,11 +4,17 @@ are machine-dependent; only their signs and orderings are checked. (The memory b
 test_benchmark_memory.py: two files, so that pytest-xdist runs them on both workers.)"""
 
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 
-from helpers import run_quick
+from bench import common, host_load
+from helpers import run_quick, tool_in_process
 
 
 def test_data_benchmark_quick(tmp_path):
@@ -75,7 +81,9 @@ def test_sft_benchmark_quick(tmp_path):
         assert x["imports"]["torch"] > 0.3 and x["imports"]["transformers"] > 0.3, (name, x["imports"])
         assert x["other"] >= 0, (name, x)  # the parts sum to no more than the whole
     assert startup["TRL SFTTrainer, cold"]["imports"].get("trl", 0) > 0
-    assert not {"trl", "peft", "bitsandbytes"} & set(startup["train.py, cold"]["imports"])
+    assert not {"trl", "peft", "bitsandbytes", "lm_eval", "datatrove", "matplotlib", "ray"} & set(
+        startup["train.py, cold"]["imports"]
+    )
     # the goal's ratio on traced pairs: --quick has the breakdown's one, the same launches' first-step times, which the
     # runners' own probes time too (process start to the first step's end)
     traced = r["ratios"]["first_step_traced_vs_trl"]
@@ -102,3 +110,32 @@ def test_profile_benchmark_quick(tmp_path):
         assert 0 < x["optimizer"] < x["step"], (name, x)
         assert x["forward"] + x["backward"] + x["step"] <= x["step_wall"] and x["outside_engine"] >= 0, (name, x)
         assert "phase:backward" in x["op_table"], name  # rank 0's op table, for reading where the time goes
+
+
+def test_a_timed_benchmark_refuses_a_busy_host_and_a_loaded_report_says_so(tmp_path):
+    """Another job taking a core: a timed benchmark refuses to start (one line naming who, and the override), and
+    a report written while it runs says the host was loaded, where a quiet one says quiet (tools/bench/host_load.py).
+    The busy process is orphaned, so it is not this process's child: the benchmark's own ranks never count."""
+    pid = int(
+        subprocess.check_output(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"])
+    )
+    try:
+        proc = tool_in_process("benchmark", "train", "--model", "100M", "--out-dir", tmp_path)
+        [line] = proc.stderr.splitlines()
+        assert proc.returncode == 2 and line.startswith("error: the host is busy: other processes use"), proc.stderr
+        assert "python" in line and "--allow-loaded" in line and not list(tmp_path.iterdir())
+        host_load.start(allowed_loaded=True)
+        time.sleep(1.5)
+        r = common.new_report()
+        assert r["host"]["loaded"] and r["host"]["others_cores_max"] > 0.5 and r["host"]["allowed_loaded"]
+        assert any("**Loaded host" in x for x in common.footer(r))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        host_load.stop()
+    host_load.start(allowed_loaded=False)
+    time.sleep(1.5)
+    try:
+        quiet = common.new_report()
+    finally:
+        host_load.stop()
+    assert not quiet["host"]["loaded"] and any(x.startswith("- Quiet host:") for x in common.footer(quiet))

@@ -19,7 +19,6 @@ dozen CPU steps say nothing about tokens-to-target, and NS's five small matmuls 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -135,16 +134,7 @@ def paired_spread(v: list[float]) -> dict:
 
 def markdown(r: dict) -> str:
     lines = [f"# Muon against AdamW on the CPU, {r['date']}", "", f"Command: `{r['command']}`", ""]
-    la = r["load_average"]
     lines += [
-        f"Host load (1-min average): {la['start']:.2f} at the start, {la['end']:.2f} at the end"
-        + (
-            " — **loaded** (over 1.5): other work shared the cores, so tokens/s is noisier than a quiet host's "
-            "(the paired ratios cancel slow drift, not contention)."
-            if la["loaded"]
-            else " (quiet)."
-        ),
-        "",
         "| model | optimizer | steps | tokens | loss at the last step (median, min–max over rounds) | tokens/s (median, min–max) | optimizer state bytes (probe) |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -206,15 +196,9 @@ def markdown(r: dict) -> str:
 
 
 def run(args) -> int:
-    start = os.getloadavg()[0]
     sizes, rounds = (QUICK, 1) if args.quick else (SIZES, args.rounds)
     models = measure(sizes, rounds)
-    end = os.getloadavg()[0]
-    r = new_report(
-        models=models,
-        load_average={"start": start, "end": end, "loaded": max(start, end) > 1.5},
-        quick=args.quick,
-    )
+    r = new_report(models=models, quick=args.quick)  # the host's load is in its footer (bench/host_load.py)
     write_report(args.out_dir, f"optimizers-{r['date']}", r, markdown(r))
     return 0
 
