@@ -287,6 +287,12 @@ def summarise(m: dict, s: dict) -> dict:
     }
 
 
+def beside(r: dict, other: str, key: str = "label_tokens_per_sec") -> str:
+    """train.py's median rate and the other runner's, beside their ratio: a loaded host shows in the rates."""
+    a, b = r["runners"]["train.py"][key], r["runners"][other][key]
+    return f" ({a:,.0f} / {b:,.0f})"
+
+
 # one list of the page's lines, top to bottom: split, its sections would only pass the same dict along
 def markdown(r: dict) -> str:
     s, d, q = r["settings"], r["data"], r["ratios"]
@@ -322,9 +328,21 @@ def markdown(r: dict) -> str:
         "",
         "| ratio | median (95 % interval) | goal | met? | interval within ±3 %? |",
         "|---|---|---|---|---|",
-        row("train.py / TRL SFTTrainer, label tokens/s", q["vs_trl"], f">= {GOALS['vs_trl']}", True),
-        row("train.py / HF Trainer, label tokens/s", q["vs_hf"], f">= {GOALS['vs_hf']}", True),
-        row("train.py SFT / train.py text, real tokens/s", q["sft_vs_text"], f">= {GOALS['sft_vs_text']}", True),
+        row(
+            f"train.py / TRL SFTTrainer, label tokens/s{beside(r, 'TRL SFTTrainer')}",
+            q["vs_trl"],
+            f">= {GOALS['vs_trl']}",
+            True,
+        ),
+        row(
+            f"train.py / HF Trainer, label tokens/s{beside(r, 'HF Trainer')}", q["vs_hf"], f">= {GOALS['vs_hf']}", True
+        ),
+        row(
+            f"train.py SFT / train.py text, real tokens/s{beside(r, 'train.py, text', 'real_tokens_per_sec')}",
+            q["sft_vs_text"],
+            f">= {GOALS['sft_vs_text']}",
+            True,
+        ),
     ]
     if "first_step_vs_trl" in q:
         lines.append(
@@ -337,7 +355,9 @@ def markdown(r: dict) -> str:
         )
     if "first_step_traced_vs_trl" in q:
         x = q["first_step_traced_vs_trl"]
-        what = f"the same, {x['pairs']} traced launch pairs stopped at the first step"
+        pairs = r["startup_pairs"]
+        seconds = f" ({statistics.median(a for a, _ in pairs):.1f} / {statistics.median(b for _, b in pairs):.1f} s)"
+        what = f"the same, {x['pairs']} traced launch pairs stopped at the first step{seconds}"
         if s.get("quick"):
             what = "cold time to first step, train.py / TRL, the round's traced launches"
         lines.append(row(what, x, f"<= {GOALS['first_step_vs_trl']}", False))
