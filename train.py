@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo  # noqa: F401
 
-from zero_recipes import data, memory
+from zero_recipes import data
 from zero_recipes.checkpointing import checkpoint, resume as resuming, run_dir, storage
 from zero_recipes.checkpointing.export import partitioned, verify_export
 from zero_recipes.config.cli import help_text
@@ -270,6 +270,8 @@ def warn_if_too_big(plan: RunPlan, rank: int, log) -> None:
     """On a GPU, warn before an OOM, with what would fit."""
     if not torch.cuda.is_available() or rank != 0:
         return
+    from zero_recipes import memory  # the estimator: only here and under --dry_run, not in a CPU run's start-up
+
     estimate, line = memory.for_run(plan.model_config, plan.ds, plan.cfg, plan.world)
     free = torch.cuda.get_device_properties(0).total_memory
     log(line)
@@ -338,6 +340,8 @@ def dry_run(plan: RunPlan, log) -> int:
             f"mesh (global ranks: a row per data-parallel replica, a column per {axis}-parallel index):\n"
             f"{mesh_picture(plan.mesh, nodes)}"
         )
+    from zero_recipes import memory
+
     log(memory.for_run(model_config, ds, cfg, plan.world)[1])
     return 0
 

@@ -35,6 +35,7 @@ import time
 
 HEAVY = ("torch._dynamo", "torch", "transformers", "deepspeed", "datasets", "accelerate", "trl", "peft", "tokenizers")
 HEAVY += ("bitsandbytes", "lm_eval", "numpy", "pyarrow", "pandas", "zero_recipes")
+HEAVY += ("datatrove", "matplotlib", "ray", "scipy")  # named, so the test can say a text or SFT run imports none
 PHASES = (  # module, attribute path, phase: patched as soon as the module has run
     ("torch.distributed", "init_process_group", "process group"),
     ("zero_recipes.data", "load_tokenizer", "tokenizer"),  # the package's names are the ones train.py calls
