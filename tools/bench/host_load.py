@@ -1,8 +1,8 @@
 """Is the host quiet enough to time on? Other processes' CPU use, before a benchmark starts and while it runs.
 
 On the 2-core hosts these reports come from, one other job (a test suite, another benchmark) takes half the
-machine: the 2026-12-03 text report ran at 140-156 tokens/s where a quiet host gives 180-240, and its ratio
-pointed the other way. Paired ratios cancel load that drifts slowly, not load that comes and goes within a
+machine: a text report timed beside a test suite ran at 140-156 tokens/s where a quiet host gives 180-240, and
+its ratio pointed the other way. Paired ratios cancel load that drifts slowly, not load that comes and goes within a
 round. So a timed benchmark refuses to start while other processes use more than BUSY_CORES of a core (one
 line, exit 2; `--allow-loaded` measures anyway), and every report says what the rest of the host did while it
 ran: a thread samples every process outside the benchmark's own tree (itself, its launchers and ranks) every
