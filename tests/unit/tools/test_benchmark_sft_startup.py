@@ -41,8 +41,23 @@ def test_the_quick_report_names_the_round_launches_as_the_traced_ones():
         "settings": dict(sft.QUICK, quick=True),
         "data": {"length_percentiles": {5: 20, 100: 200}, "mean_length": 100.0, "tokens": 1000},
         "ratios": {k: first for k in ("vs_trl", "vs_hf", "sft_vs_text", "first_step_traced_vs_trl")},
-        "runners": {},
+        "runners": {
+            name: {
+                "label_tokens_per_sec": 100.0,
+                "real_tokens_per_sec": 300.0,
+                "padding_share": 0.0,
+                "steps": 3,
+                "trained_tokens": 300,
+                "epoch_seconds": 3.0,
+                "first_step_cold": 9.0,
+                "first_step_cached": None,
+                "max_rss_gib": [1.0, 1.0],
+                "eval_loss": None,
+            }
+            for name in sft.RUNNERS
+        },
         "startup": breakdown,
+        "startup_pairs": [[9.0, 12.0]],
         "date": "2026-12-05",
         "command": "python tools/benchmark.py sft --quick",
         "versions": {"torch": "x"},
