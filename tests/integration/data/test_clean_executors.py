@@ -116,12 +116,17 @@ def test_a_killed_local_run_resumes_from_datatrove_completions_and_keeps_what_th
 def ray_cluster():
     """A real local Ray cluster on loopback, started for the test and stopped after."""
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's sockets live there: a path under 108 bytes
-    port = free_port()
-    ports = [free_port() for _ in range(4)]
+    # every port Ray listens on from this worker's span, the workers' too: Ray's default worker range (10002-19999)
+    # overlaps the suite's spans, and Ray refuses to start when a chosen port falls inside it (seen in CI)
+    ports: list[int] = []
+    while len(ports) < 13:
+        ports += [p for p in [free_port()] if p not in ports]
+    port, workers = ports[4], ",".join(map(str, ports[5:]))
     start = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
              "--include-dashboard=false", "--disable-usage-stats", f"--ray-client-server-port={ports[0]}",
              f"--node-manager-port={ports[1]}", f"--object-manager-port={ports[2]}",
-             f"--dashboard-agent-listen-port={ports[3]}", f"--temp-dir={temp}"]  # fmt: skip
+             f"--dashboard-agent-listen-port={ports[3]}", f"--worker-port-list={workers}",
+             f"--temp-dir={temp}"]  # fmt: skip
     started = subprocess.run(start, capture_output=True, text=True)
     assert started.returncode == 0, f"Ray did not start: {started.stderr[-2000:]}"
     try:
