@@ -80,8 +80,8 @@ def check_quiet(seconds: float = SAMPLE_BEFORE) -> str | None:
 class Watch:
     """Samples the others every PERIOD seconds in a daemon thread for as long as the benchmark runs."""
 
-    def __init__(self, period: float = PERIOD):
-        self.period, self.samples, self.names = period, [], {}
+    def __init__(self, allowed_loaded: bool, period: float = PERIOD):
+        self.allowed_loaded, self.period, self.samples, self.names = allowed_loaded, period, [], {}
         self.load_at_start = os.getloadavg()[0]
         self.sampler, self.lock = Sampler(), threading.Lock()
         self.stop = threading.Event()
@@ -114,17 +114,15 @@ class Watch:
             "top_others": {name: round(c, 2) for name, c in top},
             "load_average_1m_at_start": self.load_at_start,
             "load_average_1m_now": os.getloadavg()[0],
-            "allowed_loaded": ALLOWED[0],
+            "allowed_loaded": self.allowed_loaded,
         }
 
 
 WATCH: list[Watch] = []  # the running benchmark's (tools/benchmark.py starts it); none in a test's in-process call
-ALLOWED = [False]
 
 
 def start(allowed_loaded: bool) -> None:
-    ALLOWED[0] = allowed_loaded
-    WATCH[:] = [Watch()]
+    WATCH[:] = [Watch(allowed_loaded)]
 
 
 def stop() -> None:
