@@ -119,8 +119,9 @@ def ray_cluster():
     # every port Ray listens on from this worker's span, the workers' too: Ray's default worker range (10002-19999)
     # overlaps the suite's spans, and Ray refuses to start when a chosen port falls inside it (seen in CI)
     ports: list[int] = []
-    while len(ports) < 13:
-        ports += [p for p in [free_port()] if p not in ports]
+    while len(ports) < 13:  # head, client, node manager, object manager, dashboard agent and 8 workers
+        if (p := free_port()) not in ports:
+            ports.append(p)
     port, workers = ports[4], ",".join(map(str, ports[5:]))
     start = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
              "--include-dashboard=false", "--disable-usage-stats", f"--ray-client-server-port={ports[0]}",
